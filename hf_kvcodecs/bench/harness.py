@@ -1,0 +1,677 @@
+"""Compare KV-cache factories side by side in one process, following ``shared/docs/benchmark-protocol.md``.
+
+Every method is a factory for fresh cache objects. All of them see the same windows of real text, the same pass-key
+haystacks and the same speed inputs, and every quality number is paired against a full-precision ``DynamicCache``
+that runs first in the same process:
+
+1. teacher-forced decoding: prefill ``context_len`` tokens, then feed the continuation one token per forward call, so
+   every scored prediction attends to what the cache stored (quantized caches return exact states on the prefill
+   call, so prefill logits would measure nothing); perplexity, KL(fp || method), top-1 agreement;
+2. greedy ``generate`` agreement with the full-precision tokens;
+3. pass-key retrieval, the question fed in decode mode;
+4. bytes held by the cache's tensors, as bits per KV element;
+5. decode tokens/s with prefill untimed, repeats interleaved across methods.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import logging
+import math
+import platform
+import re
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache
+
+from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
+from hf_kvcodecs.models import model_fingerprint
+
+logger = logging.getLogger(__name__)
+
+FULL_PRECISION = "full precision"
+TRANSFORMERS_QUANTIZED = "transformers QuantizedCache"
+
+PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it.\n"
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+
+# Tokens prefilled (then decoded twice) to warm each method up: quanto compiles a C++ extension on first use.
+_WARM_UP_TOKENS = 64
+_WARM_UP_DECODE_STEPS = 2
+
+
+@dataclass
+class CacheMethod:
+    name: str  # e.g. "fp32 DynamicCache", "quanto 4-bit (per-channel keys)"
+    make_cache: Callable[[PreTrainedModel], Cache]  # returns a FRESH cache object each call
+    family: str  # "full precision" | "transformers QuantizedCache" | "gsrq" | "l2-rvq" ...
+    nominal_bits: float | None = None  # bits per KV element the method claims; plotted when nothing was measured
+    extra: dict = field(default_factory=dict)  # echoed into the report (settings, calibration time, ...)
+    # Every prefill length must be a multiple of this, because some backends crash on other lengths (quanto's
+    # per-channel groups need kv_heads * tokens to be a multiple of 64). The harness trims all lengths to the least
+    # common multiple over the methods it runs, and records what it trimmed.
+    prefill_multiple: int = 1
+    # Set when the method cannot run on this machine (e.g. its backend is not installed); it is reported, not run.
+    skip_reason: str | None = None
+
+
+def full_precision_method(model: PreTrainedModel) -> CacheMethod:
+    """The reference: transformers' ``DynamicCache`` at the model's own precision."""
+    dtype = model.dtype
+    return CacheMethod(
+        name=f"{str(dtype).removeprefix('torch.')} DynamicCache",
+        make_cache=lambda model: DynamicCache(config=model.config),
+        family=FULL_PRECISION,
+        nominal_bits=float(torch.finfo(dtype).bits),
+    )
+
+
+def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128) -> list[CacheMethod]:
+    """The full-precision ``DynamicCache`` plus transformers' ``QuantizedCache`` at its best settings, not only defaults.
+
+    quanto 4- and 2-bit with per-channel keys (``axis_key=-1``, KIVI-style) and per-token values, and quanto 2-bit with
+    the default per-token keys so that its collapse is visible. HQQ (``axis=1`` for keys and values, its better
+    setting) is listed with a skip reason when the ``hqq`` package does not import.
+    """
+    shape = model_fingerprint(model.config)
+    kv_heads, head_dim = shape["num_key_value_heads"], shape["head_dim"]
+    group_size = 64
+    methods = [full_precision_method(model)]
+
+    quanto_settings = [(4, -1, "per-channel keys"), (2, -1, "per-channel keys"), (2, 0, "default per-token keys")]
+    for nbits, axis_key, label in quanto_settings:
+        multiple = math.lcm(
+            _quanto_token_multiple(kv_heads, head_dim, axis_key, group_size),
+            _quanto_token_multiple(kv_heads, head_dim, 0, group_size),
+        )
+        methods.append(
+            _quantized_cache_method(
+                f"quanto {nbits}-bit ({label})", "quanto", nbits, axis_key, 0, group_size, residual_length, multiple
+            )
+        )
+
+    hqq_problem = _import_problem("hqq")
+    for nbits in (4, 2):
+        multiple = _hqq_token_multiple(kv_heads, head_dim, nbits, group_size)
+        method = _quantized_cache_method(
+            f"hqq {nbits}-bit (axis 1)", "hqq", nbits, 1, 1, group_size, residual_length, multiple
+        )
+        method.skip_reason = hqq_problem
+        methods.append(method)
+    return methods
+
+
+def _quantized_cache_method(name, backend, nbits, axis_key, axis_value, group_size, residual_length, multiple):
+    # The residual window is flushed (re-quantized together with the history) when it reaches residual_length
+    # tokens, so quantized lengths are prefill + k * residual_length: both must be multiples for the backend.
+    if residual_length % multiple:
+        raise ValueError(
+            f"{name}: residual_length={residual_length} must be a multiple of {multiple} on this model "
+            "(the backend cannot quantize other lengths)."
+        )
+    settings = dict(
+        backend=backend,
+        nbits=nbits,
+        axis_key=axis_key,
+        axis_value=axis_value,
+        q_group_size=group_size,
+        residual_length=residual_length,
+    )
+    return CacheMethod(
+        name=name,
+        make_cache=lambda model: QuantizedCache(config=model.config, **settings),
+        family=TRANSFORMERS_QUANTIZED,
+        nominal_bits=float(nbits),
+        extra=dict(settings),
+        prefill_multiple=multiple,
+    )
+
+
+def _quanto_token_multiple(kv_heads: int, head_dim: int, axis: int, group_size: int) -> int:
+    """Token counts quanto can quantize (batch 1): it views [batch, heads, tokens, head_dim] as 2-D and cuts groups of
+    ``group_size`` along the rows (batch * heads * tokens) for axis -1, or along the flattened elements for axis 0."""
+    per_token = kv_heads if axis == -1 else kv_heads * head_dim
+    return group_size // math.gcd(per_token, group_size)
+
+
+def _hqq_token_multiple(kv_heads: int, head_dim: int, nbits: int, group_size: int) -> int:
+    """Token counts HQQ can quantize with axis 1 (batch 1): groups of ``group_size`` elements, and the group rows are
+    bit-packed ``8 // nbits`` at a time."""
+    elements = group_size * (8 // nbits)
+    return elements // math.gcd(kv_heads * head_dim, elements)
+
+
+def _import_problem(module: str) -> str | None:
+    try:
+        __import__(module)
+    except Exception as error:  # any failure to import means the backend cannot run here
+        return f"the {module} package does not import ({type(error).__name__}: {error})"
+    return None
+
+
+def evaluate_methods(
+    model: PreTrainedModel,
+    tokenizer,
+    methods: Sequence[CacheMethod],
+    *,
+    eval_token_ids: torch.Tensor,
+    eval_description: str,
+    context_len: int = 1024,
+    continuation_len: int = 64,
+    n_windows: int = 4,
+    greedy_prompts: int = 2,
+    greedy_tokens: int = 32,
+    passkey_trials: int = 2,
+    passkey_lengths: Sequence[int] = (512, 1024, 2048),
+    passkey_depths: Sequence[float] = (0.1, 0.5, 0.9),
+    passkey_answer_tokens: int = 8,
+    speed_contexts: Sequence[int] = (1024, 4096),
+    speed_tokens: int = 32,
+    speed_repeats: int = 3,
+    progress: bool = True,
+    seed: int = 0,
+    model_description: str | None = None,
+) -> dict:
+    """Run every metric for every method and return a JSON-serialisable results dict (see ``report.write_reports``).
+
+    The first ``"full precision"`` method in ``methods`` is the reference; if there is none, a ``DynamicCache`` is
+    added. It runs first, and a failure in it raises. A failure in another method is recorded in its entry (``error``)
+    and the run goes on. ``passkey_trials`` is the number of keys per (length, depth) cell; 0 skips the pass-key test,
+    as ``greedy_prompts=0`` and ``speed_contexts=()`` skip theirs.
+    """
+    started = time.perf_counter()
+    methods = _reference_first(model, methods)
+    names = [method.name for method in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Method names must be unique (results are keyed by name): {names}")
+    reference = methods[0]
+    runnable = [method for method in methods if method.skip_reason is None]
+    eval_token_ids = torch.as_tensor(eval_token_ids, dtype=torch.long).flatten()
+    shape = model_fingerprint(model.config)
+    elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+
+    adjustments: list[str] = []
+    alignment = math.lcm(*(method.prefill_multiple for method in runnable))
+    constrained = ", ".join(method.name for method in runnable if method.prefill_multiple > 1)
+    context_len = _trim_to_multiple(context_len, alignment, "context_len", constrained, adjustments)
+    passkey_lengths = [_trim_to_multiple(n, alignment, "pass-key length", constrained, adjustments) for n in passkey_lengths]
+    speed_contexts = [_trim_to_multiple(n, alignment, "speed context", constrained, adjustments) for n in speed_contexts]
+    speed_contexts = _fitting(speed_contexts, len(eval_token_ids) - speed_tokens, "speed context", adjustments)
+    passkey_lengths = _fitting(passkey_lengths, len(eval_token_ids), "pass-key length", adjustments)
+
+    windows, window_starts = _evaluation_windows(eval_token_ids, n_windows, context_len + continuation_len + 1)
+    generator = torch.Generator().manual_seed(seed)
+    plan = _QualityPlan(
+        windows=windows,
+        context_len=context_len,
+        elements_per_token=elements_per_token,
+        greedy_prompts=[window[:context_len] for window in windows[:greedy_prompts]],
+        greedy_tokens=greedy_tokens,
+        passkey_cases=_passkey_cases(tokenizer, eval_token_ids, passkey_lengths, passkey_depths, passkey_trials, generator),
+        passkey_answer_tokens=passkey_answer_tokens,
+        progress=progress,
+    )
+
+    entries = {method.name: _entry(method) for method in methods}
+    warm_up_ids = eval_token_ids[: math.ceil(_WARM_UP_TOKENS / alignment) * alignment]
+    with torch.inference_mode():
+        warm_caches = {}
+        for method in tqdm(runnable, desc="warm-up", disable=not progress):
+            warm_caches[method.name] = _guarded(
+                entries[method.name], "warm-up", method is reference, lambda: _warm_up(model, method, warm_up_ids)
+            )
+
+        reference_outputs: dict = {}
+        for method in runnable:
+            if "error" not in entries[method.name]:  # else its warm-up failed
+                _measure_quality(
+                    model, tokenizer, method, method is reference, entries[method.name], reference_outputs,
+                    warm_caches.pop(method.name), plan,
+                )
+        warm_caches.clear()
+        decode_check = _decode_matches_full_forward(model, windows[0], context_len, reference_outputs["logprobs"][0])
+
+        timed = [method for method in runnable if "error" not in entries[method.name]]
+        for context in speed_contexts:
+            for name, speed in _decode_speed(
+                model, timed, reference, eval_token_ids, context, speed_tokens, speed_repeats, progress
+            ).items():
+                entries[name].setdefault("speed", {})[str(context)] = speed
+
+    return {
+        "model": {
+            "description": model_description or getattr(model.config, "_name_or_path", "") or shape["model_type"],
+            "dtype": str(model.dtype).removeprefix("torch."),
+            **shape,
+        },
+        "evaluation_text": {"description": eval_description, "tokens": len(eval_token_ids)},
+        "settings": {
+            "context_len": context_len,
+            "continuation_len": continuation_len,
+            "n_windows": len(windows),
+            "window_starts": window_starts,
+            "greedy_prompts": len(plan.greedy_prompts),
+            "greedy_tokens": greedy_tokens,
+            "passkey_lengths": passkey_lengths,
+            "passkey_depths": list(passkey_depths),
+            "passkey_trials_per_cell": passkey_trials,
+            "passkey_answer_tokens": passkey_answer_tokens,
+            "speed_contexts": speed_contexts,
+            "speed_tokens": speed_tokens,
+            "speed_repeats": speed_repeats,
+            "prefill_alignment": alignment,
+            "seed": seed,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "adjustments": adjustments,
+        "reference": reference.name,
+        "checks": {"fp_decode_vs_full_forward_max_abs_logprob_diff": decode_check},
+        "environment": _environment(),
+        "methods": [entries[method.name] for method in methods],
+        "elapsed_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+@dataclass(frozen=True)
+class _QualityPlan:
+    """The inputs every method is measured on, identical across methods so that all comparisons are paired."""
+
+    windows: list[torch.Tensor]  # context_len + continuation + 1 tokens each
+    context_len: int
+    elements_per_token: int  # layers * 2 (K and V) * kv_heads * head_dim
+    greedy_prompts: list[torch.Tensor]
+    greedy_tokens: int
+    passkey_cases: list[PasskeyCase]
+    passkey_answer_tokens: int
+    progress: bool
+
+
+def _measure_quality(model, tokenizer, method, is_reference, entry, reference_outputs, warm_cache, plan) -> None:
+    """Perplexity / KL / memory, greedy agreement and pass key for one method, written into its entry.
+
+    The reference stores its log-probabilities and greedy tokens in ``reference_outputs`` for the others.
+    """
+    started = time.perf_counter()
+    teacher_forced = _guarded(
+        entry, "perplexity", is_reference,
+        lambda: _teacher_forced(model, method, plan, reference_outputs.get("logprobs"), warm_cache),
+    )
+    if teacher_forced is not None:
+        entry["perplexity"], entry["memory"], logprobs = teacher_forced
+        if is_reference:
+            reference_outputs["logprobs"] = logprobs
+    if plan.greedy_prompts and "error" not in entry:
+        greedy = _guarded(
+            entry, "greedy", is_reference,
+            lambda: _greedy_tokens(model, tokenizer, method, plan.greedy_prompts, plan.greedy_tokens, plan.progress),
+        )
+        if greedy is not None:
+            if is_reference:
+                reference_outputs["greedy"] = greedy
+            entry["greedy"] = _greedy_agreement(greedy, reference_outputs["greedy"])
+    if plan.passkey_cases and "error" not in entry:
+        answers = _guarded(
+            entry, "pass key", is_reference,
+            lambda: _passkey_answers(
+                model, tokenizer, method, plan.passkey_cases, plan.passkey_answer_tokens, plan.progress
+            ),
+        )
+        if answers is not None:
+            entry["passkey"] = _passkey_scores(plan.passkey_cases, answers)
+    entry["quality_seconds"] = round(time.perf_counter() - started, 1)
+
+
+def _reference_first(model, methods: Sequence[CacheMethod]) -> list[CacheMethod]:
+    references = [method for method in methods if method.family == FULL_PRECISION and method.skip_reason is None]
+    reference = references[0] if references else full_precision_method(model)
+    return [reference] + [method for method in methods if method is not reference]
+
+
+def _entry(method: CacheMethod) -> dict:
+    entry = {
+        "name": method.name,
+        "family": method.family,
+        "nominal_bits": method.nominal_bits,
+        "prefill_multiple": method.prefill_multiple,
+        "extra": method.extra,
+    }
+    if method.skip_reason is not None:
+        entry["skipped"] = method.skip_reason
+    return entry
+
+
+def _guarded(entry: dict, phase: str, is_reference: bool, run: Callable):
+    """Run one phase of one method; a non-reference failure is recorded in its entry instead of ending the benchmark."""
+    try:
+        return run()
+    except Exception as error:
+        if is_reference:
+            raise
+        entry["error"] = f"{phase}: {type(error).__name__}: {error}"
+        logger.exception("%s failed during %s; its remaining phases are skipped", entry["name"], phase)
+        return None
+
+
+def _trim_to_multiple(length: int, multiple: int, what: str, constrained_by: str, adjustments: list[str]) -> int:
+    trimmed = length - length % multiple
+    if trimmed <= 0:
+        raise ValueError(f"{what} {length} is shorter than the prefill multiple {multiple} required by {constrained_by}.")
+    if trimmed != length:
+        adjustments.append(f"{what} {length} trimmed to {trimmed}, a multiple of {multiple}, required by {constrained_by}")
+    return trimmed
+
+
+def _fitting(lengths: list[int], available: int, what: str, adjustments: list[str]) -> list[int]:
+    too_long = [n for n in lengths if n > available]
+    if too_long:
+        adjustments.append(f"{what} {too_long} dropped: the evaluation text has only {available} usable tokens")
+    return [n for n in lengths if n <= available]
+
+
+def _evaluation_windows(token_ids: torch.Tensor, n_windows: int, span: int) -> tuple[list[torch.Tensor], list[int]]:
+    """``n_windows`` non-overlapping spans spread evenly over the text, so they cover different documents."""
+    if n_windows < 1:
+        raise ValueError("n_windows must be at least 1.")
+    if n_windows * span > len(token_ids):
+        raise ValueError(
+            f"{n_windows} windows of {span} tokens need {n_windows * span} tokens; the evaluation text has "
+            f"{len(token_ids)}. Use a longer text, fewer windows or a shorter context."
+        )
+    stride = (len(token_ids) - span) // max(n_windows - 1, 1)
+    starts = [index * stride for index in range(n_windows)]
+    return [token_ids[start : start + span] for start in starts], starts
+
+
+def _prefill(model, cache: Cache, token_ids: torch.Tensor) -> None:
+    model(token_ids[None], cache=cache, use_cache=True, logits_to_keep=1)
+
+
+def _decode_step(model, cache: Cache, token_id) -> torch.Tensor:
+    """One single-token forward through the cache; the next-token logits (float32)."""
+    step = torch.as_tensor(token_id, dtype=torch.long).reshape(1, 1)
+    return model(step, cache=cache, use_cache=True).logits[0, -1].float()
+
+
+def _warm_up(model, method: CacheMethod, token_ids: torch.Tensor) -> Cache:
+    """Exercise prefill and decode once; the cache is kept as the second cache of the shared-table check."""
+    cache = method.make_cache(model)
+    _prefill(model, cache, token_ids)
+    for token_id in token_ids[:_WARM_UP_DECODE_STEPS]:
+        _decode_step(model, cache, token_id)
+    return cache
+
+
+def _teacher_forced(model, method, plan, reference_logprobs, warm_cache):
+    """Prefill each window's context, then teacher-force its continuation one token per forward call.
+
+    Returns (metrics, memory, per-window log-probability rows); the rows are kept only for the reference, which the
+    others are compared against. Memory is measured on the first window, after prefill and after the continuation.
+    """
+    context_len = plan.context_len
+    nlls, kls, top1_matches, memory, all_logprobs = [], [], [], {}, []
+    for window_index, window in enumerate(tqdm(plan.windows, desc=f"{method.name}: perplexity", disable=not plan.progress)):
+        cache = method.make_cache(model)
+        _prefill(model, cache, window[:context_len])
+        continuation = window[context_len:-1]
+        if window_index == 0:
+            shared = shared_storages(cache, warm_cache)
+            memory["shared_bytes"] = sum(shared.values())
+            memory["after_prefill"] = _memory_point(cache, context_len, shared, plan.elements_per_token)
+        logprobs = torch.stack(
+            [torch.log_softmax(_decode_step(model, cache, token_id), dim=-1) for token_id in continuation]
+        )
+        if window_index == 0:
+            memory["after_decode"] = _memory_point(
+                cache, context_len + len(continuation), shared, plan.elements_per_token
+            )
+        del cache
+        targets = window[context_len + 1 :]
+        nlls.append(-logprobs.gather(1, targets[:, None]).squeeze(1).double())
+        if reference_logprobs is None:
+            all_logprobs.append(logprobs)
+        else:
+            reference_rows = reference_logprobs[window_index]
+            kls.append((reference_rows.exp() * (reference_rows - logprobs)).sum(-1).double())
+            top1_matches.append((reference_rows.argmax(-1) == logprobs.argmax(-1)).double())
+    metrics = _perplexity_metrics(nlls, reference_logprobs, plan.windows, context_len)
+    if kls:
+        metrics["kl_mean"] = torch.cat(kls).mean().item()
+        metrics["top1_agreement"] = torch.cat(top1_matches).mean().item()
+    else:  # the reference compared with itself
+        metrics["kl_mean"] = 0.0
+        metrics["top1_agreement"] = 1.0
+    return metrics, memory, all_logprobs
+
+
+def _perplexity_metrics(nlls, reference_logprobs, windows, context_len) -> dict:
+    window_nll = torch.stack([nll.mean() for nll in nlls])
+    metrics = {
+        "scored_tokens": sum(len(nll) for nll in nlls),
+        "ppl": math.exp(torch.cat(nlls).mean().item()),
+        "window_ppl": [math.exp(value) for value in window_nll.tolist()],
+        "window_nll": window_nll.tolist(),
+    }
+    if reference_logprobs is None:
+        metrics.update(delta_ppl_pct=0.0, delta_ppl_pct_se=0.0, window_delta_ppl_pct=[0.0] * len(nlls))
+        return metrics
+    reference_nll = torch.stack(
+        [
+            -rows.gather(1, window[context_len + 1 :, None]).squeeze(1).double().mean()
+            for rows, window in zip(reference_logprobs, windows)
+        ]
+    )
+    # Windows score equally many tokens, so the mean paired NLL difference is exactly the pooled log-ppl ratio.
+    differences = window_nll - reference_nll
+    mean_difference = differences.mean().item()
+    ratio = math.exp(mean_difference)
+    standard_error = differences.std().item() / math.sqrt(len(differences)) if len(differences) > 1 else None
+    metrics.update(
+        delta_ppl_pct=100.0 * (ratio - 1.0),
+        # delta method: d(100 * exp(x)) = 100 * exp(x) dx
+        delta_ppl_pct_se=None if standard_error is None else 100.0 * ratio * standard_error,
+        window_delta_ppl_pct=[100.0 * (math.exp(value) - 1.0) for value in differences.tolist()],
+    )
+    return metrics
+
+
+def _memory_point(cache, tokens: int, shared: dict, elements_per_token: int) -> dict:
+    held = cache_bytes(cache, excluding=shared)
+    return {
+        "tokens": tokens,
+        "bytes": held,
+        "bytes_per_token": held / tokens,
+        "bits_per_element": 8.0 * held / (tokens * elements_per_token),
+    }
+
+
+def _decode_matches_full_forward(model, window, context_len, decode_logprobs) -> float:
+    """Largest |log p| difference on the scored tokens between the reference decode loop and one no-cache forward."""
+    scored = len(window) - 1 - context_len
+    logits = model(window[None, :-1], use_cache=False, logits_to_keep=scored).logits[0].float()
+    targets = window[context_len + 1 :, None]
+    full_forward = torch.log_softmax(logits, dim=-1).gather(1, targets)
+    return (full_forward - decode_logprobs.gather(1, targets)).abs().max().item()
+
+
+def _greedy_tokens(model, tokenizer, method, prompts, n_tokens, progress) -> list[list[int]]:
+    generated = []
+    for prompt in tqdm(prompts, desc=f"{method.name}: greedy", disable=not progress):
+        output = model.generate(
+            prompt[None],
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            cache=method.make_cache(model),
+            do_sample=False,
+            max_new_tokens=n_tokens,
+            # An early end-of-sequence would make the lengths differ between methods; every method gets n_tokens.
+            min_new_tokens=n_tokens,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        )
+        generated.append(output[0, len(prompt) :].tolist())
+    return generated
+
+
+def _greedy_agreement(generated: list[list[int]], reference: list[list[int]]) -> dict:
+    prefixes, agreements = [], []
+    for tokens, reference_tokens in zip(generated, reference):
+        matches = [a == b for a, b in zip(tokens, reference_tokens)]
+        prefixes.append(matches.index(False) if False in matches else len(matches))
+        agreements.append(sum(matches) / len(matches))
+    n_tokens = len(reference[0])
+    return {
+        "tokens_per_prompt": n_tokens,
+        "prefix_match_tokens": statistics.fmean(prefixes),
+        "prefix_match_fraction": statistics.fmean(prefixes) / n_tokens,
+        "position_agreement": statistics.fmean(agreements),
+        "per_prompt": [{"prefix_match": p, "position_agreement": a} for p, a in zip(prefixes, agreements)],
+    }
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    length: int  # prefill tokens: haystack plus needle
+    depth: float  # where the needle starts, as a fraction of the haystack
+    key: str
+    prompt_ids: torch.Tensor
+
+
+def _passkey_cases(tokenizer, token_ids, lengths, depths, trials, generator) -> list[PasskeyCase]:
+    """Needles in haystacks of real text: ``trials`` random keys and text offsets per (length, depth) cell."""
+    cases = []
+    for length in lengths:
+        for depth in depths:
+            for _ in range(trials):
+                key = str(int(torch.randint(10_000, 100_000, (1,), generator=generator)))
+                needle = _token_ids(tokenizer, PASSKEY_NEEDLE.format(key=key))
+                filler_len = length - len(needle)
+                offset = int(torch.randint(0, len(token_ids) - filler_len + 1, (1,), generator=generator))
+                filler = token_ids[offset : offset + filler_len]
+                insert_at = round(depth * filler_len)
+                prompt = torch.cat([filler[:insert_at], needle, filler[insert_at:]])
+                cases.append(PasskeyCase(length=length, depth=float(depth), key=key, prompt_ids=prompt))
+    return cases
+
+
+def _token_ids(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def _passkey_answers(model, tokenizer, method, cases, answer_tokens, progress) -> list[str]:
+    """Prefill the haystack, feed the question one token per forward call, then greedy-decode the answer."""
+    question = _token_ids(tokenizer, PASSKEY_QUESTION)
+    answers = []
+    for case in tqdm(cases, desc=f"{method.name}: pass key", disable=not progress):
+        cache = method.make_cache(model)
+        _prefill(model, cache, case.prompt_ids)
+        for token_id in question:
+            logits = _decode_step(model, cache, token_id)
+        answer = []
+        for step in range(answer_tokens):
+            answer.append(int(logits.argmax()))
+            if step + 1 < answer_tokens:
+                logits = _decode_step(model, cache, answer[-1])
+        answers.append(tokenizer.decode(answer, skip_special_tokens=True))
+    return answers
+
+
+def answer_has_key(answer: str, key: str) -> bool:
+    """Correct when the first number in the answer is the key (a longer or different number is wrong)."""
+    number = re.search(r"\d+", answer)
+    return number is not None and number.group() == key
+
+
+def _passkey_scores(cases: list[PasskeyCase], answers: list[str]) -> dict:
+    correct = [answer_has_key(answer, case.key) for case, answer in zip(cases, answers)]
+
+    def accuracy_by(attribute):
+        groups: dict = {}
+        for case, ok in zip(cases, correct):
+            groups.setdefault(str(getattr(case, attribute)), []).append(ok)
+        return {value: sum(oks) / len(oks) for value, oks in groups.items()}
+
+    return {
+        "accuracy": sum(correct) / len(correct),
+        "correct": sum(correct),
+        "trials": len(correct),
+        "accuracy_by_length": accuracy_by("length"),
+        "accuracy_by_depth": accuracy_by("depth"),
+        "answers": [
+            {"length": case.length, "depth": case.depth, "key": case.key, "answer": answer, "correct": ok}
+            for case, answer, ok in zip(cases, answers, correct)
+        ],
+    }
+
+
+def _decode_speed(model, methods, reference, token_ids, context, n_tokens, repeats, progress) -> dict[str, dict]:
+    """Decode tokens/s after an untimed prefill of ``context`` tokens; median over repeats, ratio to the reference.
+
+    Repeats are interleaved across methods, and the order rotates each repeat, so drifts in machine load hit every
+    method alike instead of whichever happens to run last. A method that fails is reported with its error.
+    """
+    prompt, continuation = token_ids[:context], token_ids[context : context + n_tokens]
+    step_seconds = {method.name: [] for method in methods}
+    errors = {}
+    bar = tqdm(total=repeats * len(methods), desc=f"decode speed @ {context}", disable=not progress)
+    for repeat in range(repeats):
+        rotation = repeat % len(methods)
+        for method in methods[rotation:] + methods[:rotation]:
+            if method.name not in errors:
+                failure = {"name": method.name}
+                steps = _guarded(
+                    failure, f"decode speed @ {context}", method is reference,
+                    lambda: _timed_decode(model, method, prompt, continuation),
+                )
+                if steps is None:
+                    errors[method.name] = failure["error"]
+                else:
+                    step_seconds[method.name].append(steps)
+            bar.update()
+    bar.close()
+
+    medians = {
+        name: statistics.median(len(steps) / sum(steps) for steps in runs)
+        for name, runs in step_seconds.items()
+        if name not in errors
+    }
+    speeds = {name: {"error": error} for name, error in errors.items()}
+    for name, tokens_per_s in medians.items():
+        runs = step_seconds[name]
+        speeds[name] = {
+            "tokens_per_s": tokens_per_s,
+            "ratio_to_reference": tokens_per_s / medians[reference.name],
+            "tokens_per_s_runs": [len(steps) / sum(steps) for steps in runs],
+            # A flush (re-quantizing the history) shows up as one slow step, if one happens within the timed steps.
+            "slowest_step_ms": 1000.0 * max(max(steps) for steps in runs),
+        }
+    return speeds
+
+
+def _timed_decode(model, method, prompt, continuation) -> list[float]:
+    cache = method.make_cache(model)
+    _prefill(model, cache, prompt)  # untimed
+    steps = []
+    for token_id in continuation:
+        step_started = time.perf_counter()
+        _decode_step(model, cache, token_id)
+        steps.append(time.perf_counter() - step_started)
+    return steps
+
+
+def _environment() -> dict:
+    versions = {}
+    for package in ("torch", "transformers", "optimum-quanto", "hqq", "tokenizers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }

@@ -1,0 +1,164 @@
+"""Write a benchmark's results (from ``harness.evaluate_methods``) as JSON, a Markdown table and a quality-vs-bits plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MISSING = "–"
+
+
+def write_reports(results: dict, out_dir) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md`` and ``quality_vs_bits.png`` into ``out_dir``; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "results.json",
+        "markdown": out_dir / "results.md",
+        "plot": out_dir / "quality_vs_bits.png",
+    }
+    paths["json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    paths["markdown"].write_text(markdown_report(results), encoding="utf-8")
+    plot_quality_vs_bits(results, paths["plot"])
+    return paths
+
+
+def markdown_report(results: dict) -> str:
+    settings = results["settings"]
+    model = results["model"]
+    versions = ", ".join(f"{name} {version}" for name, version in results["environment"]["versions"].items() if version)
+    lines = [
+        "# KV-cache benchmark",
+        "",
+        f"- Model: {model['description']} ({model['num_hidden_layers']} layers, {model['num_key_value_heads']} KV heads, "
+        f"head_dim {model['head_dim']}, {model['dtype']})",
+        f"- Evaluation text: {results['evaluation_text']['description']} ({results['evaluation_text']['tokens']} tokens)",
+        f"- Perplexity, KL, top-1: {settings['n_windows']} windows, each {settings['context_len']} tokens prefilled, then "
+        f"{settings['continuation_len']} teacher-forced decode steps scored (prefill logits are never scored); "
+        f"KL and top-1 against `{results['reference']}`; Δppl ± standard error of the paired per-window differences",
+        f"- Greedy agreement: {settings['greedy_prompts']} prompts of {settings['context_len']} tokens, "
+        f"{settings['greedy_tokens']} generated tokens; prefix = tokens equal to the reference before the first "
+        "divergence, agree = fraction of positions equal",
+        f"- Pass key: haystacks of {settings['passkey_lengths']} tokens, needle depths {settings['passkey_depths']}, "
+        f"{settings['passkey_trials_per_cell']} keys per cell, question fed in decode mode",
+        f"- Memory: bytes of every tensor each cache holds, as bits per K/V element, after prefill "
+        f"({settings['context_len']} tokens) and after the continuation; tables shared by all caches of a method are "
+        "listed apart (shared MiB)",
+        f"- Speed: {settings['speed_tokens']} decode steps timed after an untimed prefill, median of "
+        f"{settings['speed_repeats']} interleaved repeats, ratio to the reference from the same run",
+        f"- Check: reference decode loop vs one no-cache forward, max |Δ log p| = "
+        f"{_number(results['checks'].get('fp_decode_vs_full_forward_max_abs_logprob_diff'), '.1e')}",
+        f"- {results['environment']['date']}; {versions}; Python {results['environment']['python']}; "
+        f"{settings['torch_threads']} torch threads; {results['elapsed_seconds']:.0f} s in all",
+    ]
+    lines += [f"- Adjusted: {note}" for note in results["adjustments"]]
+
+    speed_contexts = settings["speed_contexts"]
+    header = [
+        "method", "family", "bits/elt prefill", "bits/elt decode", "shared MiB", "ppl", "Δppl % ± se", "KL",
+        "top-1", "greedy prefix", "greedy agree", "pass key",
+    ] + [f"tok/s @{context} (× ref)" for context in speed_contexts]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for entry in results["methods"]:
+        lines.append("| " + " | ".join(_row(entry, speed_contexts, len(header))) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _row(entry: dict, speed_contexts: list[int], width: int) -> list[str]:
+    if "skipped" in entry or ("error" in entry and "perplexity" not in entry):
+        status = f"skipped: {entry['skipped']}" if "skipped" in entry else f"failed: {entry['error']}"
+        return [entry["name"], entry["family"], status.replace("|", "/")] + [""] * (width - 3)
+    memory = entry.get("memory", {})
+    perplexity = entry.get("perplexity", {})
+    greedy = entry.get("greedy", {})
+    passkey = entry.get("passkey", {})
+    cells = [
+        entry["name"] + (f" (failed: {entry['error']})".replace("|", "/") if "error" in entry else ""),
+        entry["family"],
+        _number(memory.get("after_prefill", {}).get("bits_per_element"), ".2f"),
+        _number(memory.get("after_decode", {}).get("bits_per_element"), ".2f"),
+        _number(memory["shared_bytes"] / 2**20, ".2f") if "shared_bytes" in memory else MISSING,
+        _number(perplexity.get("ppl"), ".3f"),
+        _with_error(perplexity.get("delta_ppl_pct"), perplexity.get("delta_ppl_pct_se")),
+        _number(perplexity.get("kl_mean"), ".4f"),
+        _number(perplexity.get("top1_agreement"), ".3f"),
+        _number(greedy.get("prefix_match_tokens"), ".1f"),
+        _number(greedy.get("position_agreement"), ".2f"),
+        f"{passkey['accuracy']:.2f} ({passkey['correct']}/{passkey['trials']})" if passkey else MISSING,
+    ]
+    for context in speed_contexts:
+        speed = entry.get("speed", {}).get(str(context))
+        if speed is None:
+            cells.append(MISSING)
+        elif "error" in speed:
+            cells.append("failed")
+        else:
+            cells.append(f"{speed['tokens_per_s']:.1f} ({speed['ratio_to_reference']:.2f}×)")
+    return cells
+
+
+def _number(value, spec: str) -> str:
+    return MISSING if value is None else format(value, spec)
+
+
+def _with_error(value, error) -> str:
+    if value is None:
+        return MISSING
+    return f"{value:+.2f}" + ("" if error is None else f" ± {error:.2f}")
+
+
+def plot_quality_vs_bits(results: dict, path: Path) -> None:
+    """Δppl % (with its standard error) and KL against measured bits per element, one labelled point per method.
+
+    The point is the size right after prefill; a bar reaches to the size after the continuation, when a
+    full-precision residual window has grown in between. A method without a measurement is placed at its nominal
+    bits and says so in its label.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (ppl_axis, kl_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for index, entry in enumerate(results["methods"]):
+        perplexity = entry.get("perplexity")
+        if perplexity is None:
+            continue
+        memory = entry.get("memory", {})
+        prefill_bits = memory.get("after_prefill", {}).get("bits_per_element")
+        decode_bits = memory.get("after_decode", {}).get("bits_per_element")
+        label = entry["name"]
+        if not prefill_bits:
+            if entry["nominal_bits"] is None:
+                continue
+            prefill_bits = decode_bits = entry["nominal_bits"]
+            label += " (nominal bits)"
+        growth = [[0.0], [max((decode_bits or prefill_bits) - prefill_bits, 0.0)]]
+        se = perplexity.get("delta_ppl_pct_se")
+        for axis, value, error in (
+            (ppl_axis, perplexity["delta_ppl_pct"], None if se is None else [se]),
+            (kl_axis, perplexity["kl_mean"], None),
+        ):
+            axis.errorbar([prefill_bits], [value], xerr=growth, yerr=error, fmt="o", capsize=3)
+            # Staggered so that methods at the same point (e.g. two full-precision caches) stay legible.
+            label_offset = (5, 5 - 10 * (index % 3))
+            axis.annotate(label, (prefill_bits, value), textcoords="offset points", xytext=label_offset, fontsize=8)
+
+    ppl_axis.set_ylabel("Δ perplexity vs reference (%)")
+    kl_axis.set_ylabel("KL(reference ‖ method), nats per token")
+    # symlog keeps a collapsed method (hundreds of %) and near-lossless ones (a fraction of a %) readable together.
+    ppl_axis.set_yscale("symlog", linthresh=1.0)
+    kl_axis.set_yscale("symlog", linthresh=1e-3)
+    for axis in (ppl_axis, kl_axis):
+        axis.set_xlabel("measured bits per K/V element (point: after prefill; bar: after decode)")
+        axis.axhline(0.0, color="grey", linewidth=0.8)
+        axis.grid(True, alpha=0.3)
+    settings = results["settings"]
+    figure.suptitle(
+        f"{results['model']['description']}: {settings['n_windows']} × ({settings['context_len']} prefilled + "
+        f"{settings['continuation_len']} decoded) tokens of {results['evaluation_text']['description'][:60]}",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,360 @@
+"""GSRQCache: a transformers ``Cache`` whose layers hold residual-VQ codes of the KV history.
+
+Per layer, tokens live in three append-only regions, in order:
+    sinks    the first ``num_sink_tokens`` tokens, exact (attention sinks)
+    codes    uint8 residual-VQ indices + fp16 scales per token and head; a token is encoded once, never again
+    window   the most recent ``window_length`` .. ``window_length + flush_interval`` tokens, exact
+When the window grows past ``window_length + flush_interval`` tokens, its oldest tokens are encoded and moved to the
+codes. Keys are coded before RoPE when the codebooks say so: the cache undoes RoPE with the token's own position and
+re-applies it after decoding. Positions are recorded once per cache (not per layer) in a shared ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..codecs.gsrq_codebooks import GSRQCodebooks
+from ..codecs.residual import TransformResidualVQ
+from .rope import apply_rope, rotary_cos_sin, undo_rope
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BITS = 2.0
+DEFAULT_WINDOW_LENGTH = 32
+DEFAULT_FLUSH_INTERVAL = 32
+DEFAULT_NUM_SINK_TOKENS = 4
+CACHE_CONFIG_KEYS = (
+    "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "config",
+)
+
+
+class PositionLedger:
+    """Positions ``[B, T]`` (int32) of every token the cache holds, shared by all layers of one cache."""
+
+    def __init__(self):
+        self.positions: torch.Tensor | None = None
+
+    def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device) -> None:
+        if position_ids is None:
+            start = 0 if self.positions is None else self.positions.shape[1]
+            position_ids = torch.arange(start, start + new_tokens, device=device)[None]
+        position_ids = position_ids.to(device=device, dtype=torch.int32)
+        if position_ids.ndim == 1:
+            position_ids = position_ids[None]
+        if position_ids.shape[-1] != new_tokens:
+            raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but {new_tokens} new tokens arrived.")
+        position_ids = position_ids.expand(batch_size, new_tokens)
+        self.positions = position_ids.clone() if self.positions is None else torch.cat([self.positions, position_ids], dim=1)
+
+    def apply(self, fn) -> None:
+        if self.positions is not None:
+            self.positions = fn(self.positions)
+
+
+class GSRQLayer(CacheLayerMixin):
+    """One decoder layer's GSRQ-coded keys and values."""
+
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(
+        self,
+        key_codec: TransformResidualVQ,
+        value_codec: TransformResidualVQ,
+        *,
+        ledger: PositionLedger,
+        key_space: str,
+        rope_inv_freq: torch.Tensor | None,
+        rope_attention_scaling: float,
+        window_length: int,
+        flush_interval: int,
+        num_sink_tokens: int,
+    ):
+        super().__init__()
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.ledger = ledger
+        self.key_space = key_space
+        self.rope_inv_freq, self.rope_attention_scaling = rope_inv_freq, rope_attention_scaling
+        self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
+        self._clear()
+
+    def _clear(self):
+        self.sink_keys = self.sink_values = None
+        self.key_codes = self.key_scales = self.value_codes = self.value_scales = None
+        self.window_keys = self.window_values = None
+
+    # ---- CacheLayerMixin surface ----------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        if key_states.shape[1] != self.key_codec.num_heads or key_states.shape[-1] != self.key_codec.head_dim:
+            raise ValueError(
+                f"GSRQ codebooks expect {self.key_codec.num_heads} KV heads of size {self.key_codec.head_dim}, but the "
+                f"model produced keys of shape {tuple(key_states.shape)}. The codebooks belong to another model: "
+                "calibrate for this one with `hf-kvcodecs calibrate`."
+            )
+        if key_states.device != self.key_codec.mean.device:
+            self.key_codec = self.key_codec.to(key_states.device)
+            self.value_codec = self.value_codec.to(key_states.device)
+        batch, heads, _, dim = key_states.shape
+        empty = lambda d, dt: torch.zeros(batch, heads, 0, *d, dtype=dt, device=self.device)  # noqa: E731
+        self.sink_keys, self.sink_values = empty((dim,), self.dtype), empty((dim,), self.dtype)
+        self.window_keys, self.window_values = empty((dim,), self.dtype), empty((dim,), self.dtype)
+        self.key_codes = empty((self.key_codec.num_stages,), torch.uint8)
+        self.value_codes = empty((self.value_codec.num_stages,), torch.uint8)
+        self.key_scales, self.value_scales = empty((), torch.float16), empty((), torch.float16)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.dtype != self.dtype:
+            raise ValueError(f"GSRQCache was filled with {self.dtype} states and now received {key_states.dtype}.")
+        free_sinks = self.num_sink_tokens - self.sink_keys.shape[-2]
+        if free_sinks > 0:
+            self.sink_keys = torch.cat([self.sink_keys, key_states[..., :free_sinks, :]], dim=-2)
+            self.sink_values = torch.cat([self.sink_values, value_states[..., :free_sinks, :]], dim=-2)
+            key_states, value_states = key_states[..., free_sinks:, :], value_states[..., free_sinks:, :]
+        self.window_keys = torch.cat([self.window_keys, key_states], dim=-2)
+        self.window_values = torch.cat([self.window_values, value_states], dim=-2)
+        if self.window_keys.shape[-2] > self.window_length + self.flush_interval:
+            self._flush(self.window_keys.shape[-2] - self.window_length)
+        return self._full_keys(), self._full_values()
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.sink_keys.shape[-2] + self.key_codes.shape[-2] + self.window_keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # ---- coding ---------------------------------------------------------------------------------------------
+    def _flush(self, count: int) -> None:
+        keys, values = self.window_keys[..., :count, :], self.window_values[..., :count, :]
+        self.window_keys, self.window_values = self.window_keys[..., count:, :], self.window_values[..., count:, :]
+        if self.key_space == "pre_rope":
+            start = self.sink_keys.shape[-2] + self.key_codes.shape[-2]
+            keys = undo_rope(keys.float(), *self._cos_sin(start, start + count), self.rope_attention_scaling)
+        key_codes, key_scales = self._encode(self.key_codec, keys)
+        value_codes, value_scales = self._encode(self.value_codec, values)
+        self.key_codes = torch.cat([self.key_codes, key_codes], dim=-2)
+        self.key_scales = torch.cat([self.key_scales, key_scales], dim=-1)
+        self.value_codes = torch.cat([self.value_codes, value_codes], dim=-2)
+        self.value_scales = torch.cat([self.value_scales, value_scales], dim=-1)
+
+    def _cos_sin(self, start: int, end: int):
+        positions = self.ledger.positions
+        if positions is None or positions.shape[1] < end:
+            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
+        return rotary_cos_sin(positions[:, start:end], self.rope_inv_freq, self.rope_attention_scaling)
+
+    @staticmethod
+    def _encode(codec: TransformResidualVQ, states: torch.Tensor):
+        batch, heads, tokens, dim = states.shape
+        flat = states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
+        codes, scales = codec.encode(flat)
+        codes = codes.reshape(heads, batch, tokens, -1).permute(1, 0, 2, 3).contiguous()
+        scales = scales.reshape(heads, batch, tokens).permute(1, 0, 2).contiguous()
+        return codes, scales
+
+    @staticmethod
+    def _decode(codec: TransformResidualVQ, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        batch, heads, tokens, stages = codes.shape
+        flat_codes = codes.permute(1, 0, 2, 3).reshape(heads, batch * tokens, stages)
+        flat_scales = scales.permute(1, 0, 2).reshape(heads, batch * tokens)
+        decoded = codec.decode(flat_codes, flat_scales)
+        return decoded.reshape(heads, batch, tokens, codec.head_dim).permute(1, 0, 2, 3)
+
+    def dequantized_keys(self) -> torch.Tensor:
+        keys = self._decode(self.key_codec, self.key_codes, self.key_scales)
+        if self.key_space == "pre_rope" and keys.shape[-2]:
+            start = self.sink_keys.shape[-2]
+            keys = apply_rope(keys, *self._cos_sin(start, start + keys.shape[-2]))
+        return keys.to(self.dtype)
+
+    def dequantized_values(self) -> torch.Tensor:
+        return self._decode(self.value_codec, self.value_codes, self.value_scales).to(self.dtype)
+
+    def _full_keys(self):
+        return torch.cat([self.sink_keys, self.dequantized_keys(), self.window_keys], dim=-2)
+
+    def _full_values(self):
+        return torch.cat([self.sink_values, self.dequantized_values(), self.window_values], dim=-2)
+
+    # ---- batch / rollback operations --------------------------------------------------------------------------
+    _TOKEN_TENSORS = ("sink_keys", "sink_values", "key_codes", "value_codes", "window_keys", "window_values")
+    _SCALE_TENSORS = ("key_scales", "value_scales")
+
+    def _apply_batchwise(self, fn) -> None:
+        if self.is_initialized:
+            for name in self._TOKEN_TENSORS + self._SCALE_TENSORS:
+                setattr(self, name, fn(getattr(self, name)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply_batchwise(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply_batchwise(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply_batchwise(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (codes are per token, so this is exact in every region)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop expects a negative number of tokens to remove, got {tokens_to_remove}.")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        sinks, codes = self.sink_keys.shape[-2], self.key_codes.shape[-2]
+        keep_sinks = min(keep, sinks)
+        keep_codes = min(max(keep - sinks, 0), codes)
+        keep_window = max(keep - sinks - codes, 0)
+        self.sink_keys, self.sink_values = self.sink_keys[..., :keep_sinks, :], self.sink_values[..., :keep_sinks, :]
+        self.key_codes, self.value_codes = self.key_codes[..., :keep_codes, :], self.value_codes[..., :keep_codes, :]
+        self.key_scales, self.value_scales = self.key_scales[..., :keep_codes], self.value_scales[..., :keep_codes]
+        self.window_keys = self.window_keys[..., :keep_window, :]
+        self.window_values = self.window_values[..., :keep_window, :]
+
+    def reset(self) -> None:
+        self._clear()
+        self.is_initialized = False
+
+    def offload(self) -> None:
+        self._apply_batchwise(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.key_codes.device != self.device:
+            self._apply_batchwise(lambda t: t.to(self.device, non_blocking=True))
+
+    # ---- introspection --------------------------------------------------------------------------------------
+    def region_lengths(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"sinks": 0, "codes": 0, "window": 0}
+        return {"sinks": self.sink_keys.shape[-2], "codes": self.key_codes.shape[-2], "window": self.window_keys.shape[-2]}
+
+
+_CODEBOOK_MEMO: dict[tuple[str, float], GSRQCodebooks] = {}
+
+
+def load_codebooks(source) -> GSRQCodebooks:
+    """A ``GSRQCodebooks`` object, or a directory path (memoized on path and modification time)."""
+    if isinstance(source, GSRQCodebooks):
+        return source
+    if isinstance(source, (str, Path)):
+        from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
+
+        path = Path(source).expanduser().resolve()
+        stamp = max((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()) if path.is_dir() else 0.0
+        key = (str(path), stamp)
+        if key not in _CODEBOOK_MEMO:
+            _CODEBOOK_MEMO[key] = GSRQCodebooks.load(path)
+        return _CODEBOOK_MEMO[key]
+    raise TypeError(f"codebooks must be a GSRQCodebooks object or a directory path, got {type(source).__name__}.")
+
+
+class GSRQCache(Cache):
+    """A KV cache that stores the history as GSRQ residual-VQ codes.
+
+    Args:
+        config: the model config (optional; when given, the codebooks are checked against it and layers are built
+            up front).
+        codebooks: a directory written by ``hf-kvcodecs calibrate`` / ``calibrate_gsrq``, or a ``GSRQCodebooks``.
+            Required: without fitted codebooks there is nothing sensible to quantize with, so this raises instead of
+            silently falling back to full precision.
+        bits: bits per KV element including the fp16 scale (index bits + 16/head_dim); default 2.0.
+        key_bits, value_bits: per-tensor overrides of ``bits``.
+        window_length: recent tokens kept exact (plus up to ``flush_interval`` more between flushes).
+        flush_interval: how many tokens accumulate beyond the window before they are encoded together.
+        num_sink_tokens: first tokens kept exact.
+
+    Use it as ``model.generate(..., cache_implementation="gsrq", cache_config={"codebooks": DIR, "bits": 2})``
+    (after ``import hf_kvcodecs``) or ``model.generate(..., cache=GSRQCache(model.config, codebooks=DIR))``.
+    """
+
+    def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
+                 value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
+                 flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, **unknown):
+        if unknown:
+            raise ValueError(
+                f"Unknown GSRQCache option(s) {sorted(unknown)}; valid cache_config keys are {list(CACHE_CONFIG_KEYS)}."
+            )
+        if codebooks is None:
+            raise ValueError(
+                "GSRQCache needs fitted codebooks: pass cache_config={'codebooks': DIR} (or GSRQCache(codebooks=DIR)), "
+                "where DIR was written by `hf-kvcodecs calibrate --model <model> --out DIR`. A compressed model saved by "
+                "hf_kvcodecs carries its codebooks and sets this for you."
+            )
+        for name, value in (("window_length", window_length), ("flush_interval", flush_interval), ("num_sink_tokens", num_sink_tokens)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        if flush_interval < 1:
+            raise ValueError("flush_interval must be at least 1.")
+        self.codebooks = load_codebooks(codebooks)
+        if config is not None:
+            self.codebooks.check_fits(config)
+        self.bits = DEFAULT_BITS if bits is None else float(bits)
+        self.key_bits = self.bits if key_bits is None else float(key_bits)
+        self.value_bits = self.bits if value_bits is None else float(value_bits)
+        key_stages = self.codebooks.stages_for_bits(self.key_bits)
+        value_stages = self.codebooks.stages_for_bits(self.value_bits)
+        self.ledger = PositionLedger()
+        self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
+        layer_settings = dict(
+            ledger=self.ledger,
+            key_space=self.codebooks.key_space,
+            rope_inv_freq=self.codebooks.rope_inv_freq,
+            rope_attention_scaling=self.codebooks.rope_attention_scaling,
+            window_length=window_length,
+            flush_interval=flush_interval,
+            num_sink_tokens=num_sink_tokens,
+        )
+        layers = [
+            GSRQLayer(k.truncated(key_stages), v.truncated(value_stages), **layer_settings)
+            for k, v in zip(self.codebooks.key_codecs, self.codebooks.value_codecs)
+        ]
+        super().__init__(layers=layers)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx >= len(self.layers):
+            raise ValueError(
+                f"The model has more layers than the GSRQ codebooks ({len(self.layers)}); they belong to another model."
+            )
+        if layer_idx == 0:
+            forward_kwargs = kwargs.get("kwargs") or {}
+            self.ledger.append(forward_kwargs.get("position_ids"), key_states.shape[0], key_states.shape[-2], key_states.device)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # The ledger follows every batch/rollback operation the layers get.
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self.ledger.apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.ledger.apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self.ledger.apply(lambda t: t[indices, ...])
+
+    def crop(self, tokens_to_remove: int):
+        super().crop(tokens_to_remove)
+        if tokens_to_remove < 0:
+            self.ledger.apply(lambda t: t[:, : max(t.shape[1] + tokens_to_remove, 0)])
+
+    def reset(self):
+        super().reset()
+        self.ledger.positions = None
+
+    def bits_per_element(self) -> dict[str, float]:
+        """Nominal rate of the coded region (indices + fp16 scales), per element, for keys and values."""
+        layer = self.layers[0]
+        return {"keys": layer.key_codec.bits_per_element(), "values": layer.value_codec.bits_per_element()}

@@ -1,0 +1,121 @@
+"""Fit GSRQ codebooks for every layer of a model from real calibration text."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache.rope import find_rotary_parameters
+from ..codecs.gsrq_codebooks import GSRQCodebooks
+from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse
+from ..models import model_fingerprint
+from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
+from .collect import collect_kv_samples
+
+logger = logging.getLogger(__name__)
+
+
+def stages_needed(bits: float, head_dim: int, codebook_bits: int) -> int:
+    return max(1, math.floor((bits * head_dim - SCALE_BITS) / codebook_bits + 1e-9))
+
+
+def calibrate_gsrq(
+    model,
+    tokenizer,
+    *,
+    text=None,
+    bits: float = 2.0,
+    learner: str = "gskm",
+    weighted: bool = True,
+    transform: str = "pca",
+    key_space: str = "pre_rope",
+    group_dim: int = 8,
+    codebook_bits: int = 8,
+    window_tokens: int = 512,
+    sampled_tokens_per_window: int = 256,
+    num_windows: int = 32,
+    holdout_windows: int = 4,
+    n_iter: int = 12,
+    fit_rows: int = 8192,
+    seed: int = 0,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> GSRQCodebooks:
+    """Calibrate GSRQ codebooks for ``model`` and optionally save them to ``out``.
+
+    ``bits`` is the highest rate (bits per KV element, fp16 scale included) the codebooks must serve; every lower rate
+    is a prefix of the same stages. ``text`` is a corpus name, file list or ``datasets:`` spec (default: CPython's
+    reference manual topics). Held-out windows (after the calibration windows) measure the relative MSE per layer.
+    """
+    if key_space not in ("pre_rope", "post_rope"):
+        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
+    started = time.perf_counter()
+    corpus = load_corpus(text, default=CALIBRATION_DEFAULT)
+    token_ids = tokenize_corpus(tokenizer, corpus)
+    fingerprint = model_fingerprint(model.config)
+    head_dim = fingerprint["head_dim"]
+    max_stages = stages_needed(bits, head_dim, codebook_bits)
+    rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
+    needed = (num_windows + holdout_windows) * window_tokens
+    if token_ids.numel() < needed:
+        raise ValueError(
+            f"Calibration needs {needed} tokens ({num_windows}+{holdout_windows} windows of {window_tokens}), but the "
+            f"text ({corpus.description}) has {token_ids.numel()}. Pass more text or fewer windows."
+        )
+    samples = collect_kv_samples(
+        model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
+        sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows, rope=rope, seed=seed,
+        progress=progress, description="calibration activations",
+    )
+    holdout = collect_kv_samples(
+        model, token_ids[num_windows * window_tokens : needed], window_tokens=window_tokens,
+        sampled_tokens_per_window=sampled_tokens_per_window, num_windows=holdout_windows, rope=rope, seed=seed + 1,
+        progress=progress, description="held-out activations",
+    )
+    collected = time.perf_counter()
+    fit_settings = dict(max_stages=max_stages, group_dim=group_dim, codebook_bits=codebook_bits, learner=learner,
+                        weighted=weighted, transform=transform, n_iter=n_iter, fit_rows=fit_rows)
+    key_codecs, value_codecs, per_layer = [], [], []
+    train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
+    test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
+    for layer in tqdm(range(len(train_keys)), desc=f"fitting {learner} codebooks", disable=not progress):
+        key_codec = fit_transform_residual_vq(train_keys[layer], seed=seed + 2 * layer, **fit_settings)
+        value_codec = fit_transform_residual_vq(samples.values[layer], seed=seed + 2 * layer + 1, **fit_settings)
+        key_codecs.append(key_codec)
+        value_codecs.append(value_codec)
+        per_layer.append({
+            "keys_relative_mse": relative_mse(test_keys[layer], key_codec.reconstruct(test_keys[layer])),
+            "values_relative_mse": relative_mse(holdout.values[layer], value_codec.reconstruct(holdout.values[layer])),
+            "keys_gaussian_rd_reference": gaussian_rate_distortion_reference(test_keys[layer], key_codec.code_bits_per_vector()),
+            "values_gaussian_rd_reference": gaussian_rate_distortion_reference(holdout.values[layer], value_codec.code_bits_per_vector()),
+        })
+    finished = time.perf_counter()
+    mean = lambda key: sum(p[key] for p in per_layer) / len(per_layer)  # noqa: E731
+    config = {
+        "learner": learner, "weighted": weighted, "transform": transform, "key_space": key_space,
+        "group_dim": group_dim, "codebook_bits": codebook_bits, "max_stages": max_stages, "max_bits": bits,
+        "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
+    }
+    calibration = {
+        "text": corpus.to_dict(),
+        "windows": samples.windows, "window_tokens": window_tokens, "tokens_seen": samples.tokens_seen,
+        "sampled_tokens_per_layer": int(train_keys[0].shape[1]), "holdout_windows": holdout.windows,
+        "seconds_collecting": collected - started, "seconds_fitting": finished - collected,
+        "seconds_total": finished - started,
+        "bits_per_element_at_max": (max_stages * codebook_bits + SCALE_BITS) / head_dim,
+        "holdout_mean": {k: mean(k) for k in per_layer[0]},
+        "holdout_per_layer": per_layer,
+    }
+    codebooks = GSRQCodebooks(
+        key_codecs, value_codecs, config, fingerprint, calibration,
+        rope_inv_freq=None if rope is None else rope[0], rope_attention_scaling=1.0 if rope is None else rope[1],
+    )
+    if out is not None:
+        codebooks.save(out)
+    logger.info("calibrated %s codebooks in %.1fs: %s", learner, finished - started, calibration["holdout_mean"])
+    return codebooks

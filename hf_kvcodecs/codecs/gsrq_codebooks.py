@@ -1,0 +1,177 @@
+"""The fitted GSRQ codebooks of one model: per layer a key codec and a value codec, saved as safetensors + JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .residual import SCALE_BITS, TransformResidualVQ
+
+FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
+FORMAT_VERSION = 1
+TENSORS_FILE = "gsrq_codebooks.safetensors"
+METADATA_FILE = "gsrq_codebooks.json"
+KEY_SPACES = ("pre_rope", "post_rope")
+
+
+class CodebookFileError(ValueError):
+    """A codebook directory is missing, corrupt, truncated, or of an unsupported format."""
+
+
+@dataclass
+class GSRQCodebooks:
+    key_codecs: list[TransformResidualVQ]
+    value_codecs: list[TransformResidualVQ]
+    config: dict  # fit settings: learner, weighted, transform, group_dim, codebook_bits, key_space, max_stages, seed
+    fingerprint: dict  # models.model_fingerprint of the calibrated model
+    calibration: dict = field(default_factory=dict)  # text used, sample counts, time, measured errors
+    rope_inv_freq: torch.Tensor | None = None  # needed when key_space == "pre_rope"
+    rope_attention_scaling: float = 1.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.key_codecs)
+
+    @property
+    def key_space(self) -> str:
+        return self.config["key_space"]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_codecs[0].head_dim
+
+    def max_bits_per_element(self) -> float:
+        return min(c.bits_per_element() for c in self.key_codecs + self.value_codecs)
+
+    def stages_for_bits(self, bits: float) -> int:
+        """Number of stages whose indices plus the fp16 scale fit in ``bits`` per element."""
+        codebook_bits = int(self.config["codebook_bits"])
+        stages = math.floor((bits * self.head_dim - SCALE_BITS) / codebook_bits + 1e-9)
+        available = min(c.num_stages for c in self.key_codecs + self.value_codecs)
+        if stages < 1:
+            lowest = (SCALE_BITS + codebook_bits) / self.head_dim
+            raise ValueError(f"bits={bits} is below the lowest rate these codebooks offer ({lowest:.3f} bits/element).")
+        if stages > available:
+            raise ValueError(
+                f"bits={bits} needs {stages} residual stages but these codebooks were calibrated with {available} "
+                f"(at most {self.max_bits_per_element():.3f} bits/element). Re-run `hf-kvcodecs calibrate --bits {bits}`."
+            )
+        return stages
+
+    def check_fits(self, config) -> None:
+        """Raise a clear error if these codebooks were fitted for a model of another shape."""
+        from ..models import model_fingerprint
+
+        actual = model_fingerprint(config)
+        for key in ("num_hidden_layers", "num_key_value_heads", "head_dim"):
+            if self.fingerprint.get(key) != actual[key]:
+                raise ValueError(
+                    f"These GSRQ codebooks were calibrated for a model with {key}={self.fingerprint.get(key)}, but this "
+                    f"model has {key}={actual[key]}. Calibrate codebooks for this model with "
+                    "`hf-kvcodecs calibrate --model <model> --out DIR` and pass that directory."
+                )
+
+    # ---- persistence ----------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        for index, (key_codec, value_codec) in enumerate(zip(self.key_codecs, self.value_codecs)):
+            tensors.update(key_codec.state_dict(f"layers.{index}.keys"))
+            tensors.update(value_codec.state_dict(f"layers.{index}.values"))
+        if self.rope_inv_freq is not None:
+            tensors["rope.inv_freq"] = self.rope_inv_freq.float().contiguous()
+        tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        save_file(tensors, str(directory / TENSORS_FILE), metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
+        metadata = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "config": self.config,
+            "fingerprint": self.fingerprint,
+            "calibration": self.calibration,
+            "rope_attention_scaling": self.rope_attention_scaling,
+            "num_layers": self.num_layers,
+            "stats": {
+                "keys": [c.stats for c in self.key_codecs],
+                "values": [c.stats for c in self.value_codecs],
+            },
+        }
+        (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "GSRQCodebooks":
+        directory = Path(directory)
+        metadata_path, tensors_path = directory / METADATA_FILE, directory / TENSORS_FILE
+        for path in (metadata_path, tensors_path):
+            if not path.is_file():
+                raise CodebookFileError(
+                    f"{path} does not exist. A GSRQ codebook directory holds {METADATA_FILE} and {TENSORS_FILE}; "
+                    "create one with `hf-kvcodecs calibrate --model <model> --out DIR`."
+                )
+        try:
+            metadata = json.loads(metadata_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CodebookFileError(f"{metadata_path} is not valid JSON ({error}); the file is corrupt: re-run calibrate.") from error
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+            raise CodebookFileError(f"{metadata_path} is not a GSRQ codebook file (format={metadata.get('format') if isinstance(metadata, dict) else None!r}).")
+        if metadata.get("format_version") != FORMAT_VERSION:
+            raise CodebookFileError(
+                f"{metadata_path} has format_version={metadata.get('format_version')}, this hf_kvcodecs reads version "
+                f"{FORMAT_VERSION}. Upgrade hf_kvcodecs or re-run calibrate."
+            )
+        try:
+            tensors = load_file(str(tensors_path))
+        except (SafetensorError, OSError, ValueError) as error:
+            raise CodebookFileError(
+                f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run calibrate or re-download it."
+            ) from error
+        config = metadata["config"]
+        num_layers = int(metadata["num_layers"])
+        group_dim = int(config["group_dim"])
+        stats = metadata.get("stats", {})
+        key_codecs, value_codecs = [], []
+        try:
+            for index in range(num_layers):
+                key_codecs.append(TransformResidualVQ.from_state_dict(tensors, f"layers.{index}.keys", group_dim, _at(stats.get("keys"), index)))
+                value_codecs.append(TransformResidualVQ.from_state_dict(tensors, f"layers.{index}.values", group_dim, _at(stats.get("values"), index)))
+        except KeyError as error:
+            raise CodebookFileError(f"{tensors_path} lacks tensor {error}; the file is incomplete: re-run calibrate.") from error
+        for codec in key_codecs + value_codecs:
+            _validate_codec(codec, config, tensors_path)
+        if config.get("key_space") not in KEY_SPACES:
+            raise CodebookFileError(f"{metadata_path}: key_space must be one of {KEY_SPACES}, got {config.get('key_space')!r}.")
+        inv_freq = tensors.get("rope.inv_freq")
+        if config["key_space"] == "pre_rope" and inv_freq is None:
+            raise CodebookFileError(f"{tensors_path} stores pre-RoPE key codebooks but lacks rope.inv_freq; re-run calibrate.")
+        return cls(
+            key_codecs, value_codecs, config, metadata["fingerprint"], metadata.get("calibration", {}),
+            inv_freq, float(metadata.get("rope_attention_scaling", 1.0)),
+        )
+
+
+def _at(items, index):
+    return items[index] if isinstance(items, list) and index < len(items) else {}
+
+
+def _validate_codec(codec: TransformResidualVQ, config: dict, path) -> None:
+    heads, dim = codec.mean.shape
+    expected_codebook = (codec.num_stages, 2 ** int(config["codebook_bits"]), int(config["group_dim"]))
+    problems = []
+    if tuple(codec.basis.shape) != (heads, dim, dim):
+        problems.append(f"basis {tuple(codec.basis.shape)} != {(heads, dim, dim)}")
+    if tuple(codec.codebooks.shape) != expected_codebook:
+        problems.append(f"codebooks {tuple(codec.codebooks.shape)} != {expected_codebook}")
+    if codec.stage_groups.numel() != codec.num_stages or (codec.stage_groups.numel() and (
+        int(codec.stage_groups.min()) < 0 or int(codec.stage_groups.max()) >= dim // int(config["group_dim"]))):
+        problems.append("stage_groups out of range")
+    if not all(torch.isfinite(t).all() for t in (codec.mean, codec.basis, codec.codebooks)):
+        problems.append("non-finite values")
+    if problems:
+        raise CodebookFileError(f"{path} holds inconsistent codebooks ({'; '.join(problems)}); re-run calibrate.")

@@ -1,0 +1,163 @@
+"""Codebook learners: l2 k-means (the VQLLM-style baseline) and Gain-Shape K-means (GSKM), both optionally weighted.
+
+All learners return a plain ``[K, d]`` codebook that is used with the same l2 nearest-codeword encoder, so GSKM is a
+drop-in replacement for k-means: same indices, same bits, same decoder.
+
+GSKM writes each codeword as ``g_j * u_j`` with ``||u_j|| = 1``. Its shape is estimated from the *unit directions* of
+the cluster members (so a few large-norm members cannot steer it, and the shrinkage of Euclidean averaging does not
+blur the direction), and its gain is the weighted least-squares gain for that shape, which keeps the l2 distortion at
+least as low as the k-means centroid's would be for the same direction (see shared/docs/algorithms.md §2.3-2.5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_EPS = 1e-12
+_CHUNK_ROWS = 65536
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """How a codebook is learned. ``kind`` is "l2" or "gskm"; the other fields are GSKM variants."""
+
+    kind: str
+    assignment: str = "l2"  # GSKM training assignment: "l2" against g_j u_j, or "cosine" against u_j
+    shape: str = "unit_mean"  # "unit_mean": normalized mean of member directions; "principal": top eigenvector
+    spherical_init: bool = True  # k-means++ seeding on unit directions (GSKM) instead of on raw vectors
+
+
+# Named learners the CLI, the cache config and the ablation refer to.
+CODEBOOK_LEARNERS: dict[str, LearnerSpec] = {
+    "l2": LearnerSpec("l2", spherical_init=False),
+    "gskm": LearnerSpec("gskm"),
+    "gskm-cosine": LearnerSpec("gskm", assignment="cosine"),
+    "gskm-principal": LearnerSpec("gskm", shape="principal"),
+}
+
+
+def nearest_codeword(x: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of the l2-nearest codeword for every row of ``x`` (``[N, d]`` against ``[K, d]``), as int64 ``[N]``."""
+    half_sq_norms = 0.5 * (codebook * codebook).sum(dim=1)
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    for start in range(0, x.shape[0], _CHUNK_ROWS):
+        block = x[start : start + _CHUNK_ROWS]
+        # argmin ||x - c||^2 == argmax <x, c> - ||c||^2 / 2: one GEMM instead of materializing differences.
+        out[start : start + _CHUNK_ROWS] = (block @ codebook.T - half_sq_norms).argmax(dim=1)
+    return out
+
+
+def _kmeans_plus_plus(points: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    n = points.shape[0]
+    first = torch.randint(n, (1,), generator=generator).item()
+    centers = [points[first]]
+    closest = ((points - points[first]) ** 2).sum(dim=1)
+    for _ in range(1, k):
+        probabilities = closest / closest.sum().clamp_min(_EPS)
+        index = torch.multinomial(probabilities, 1, generator=generator).item()
+        centers.append(points[index])
+        closest = torch.minimum(closest, ((points - points[index]) ** 2).sum(dim=1))
+    return torch.stack(centers)
+
+
+def _weighted_sums(assign: torch.Tensor, values: torch.Tensor, k: int) -> torch.Tensor:
+    out = torch.zeros((k,) + values.shape[1:], dtype=values.dtype, device=values.device)
+    return out.index_add_(0, assign, values)
+
+
+def fit_codebook(
+    x: torch.Tensor,
+    codebook_size: int,
+    *,
+    learner: str | LearnerSpec = "gskm",
+    weights: torch.Tensor | None = None,
+    n_iter: int = 15,
+    seed: int = 0,
+    init_sample: int = 8192,
+) -> torch.Tensor:
+    """Learn a ``[codebook_size, d]`` codebook for the rows of ``x`` (``[N, d]``, float32).
+
+    ``weights`` (``[N]``, non-negative) make the objective ``sum_i w_i ||x_i - c(x_i)||^2``; with the per-token
+    scales squared this is the error in the original (de-normalized) space.
+    """
+    spec = CODEBOOK_LEARNERS[learner] if isinstance(learner, str) else learner
+    if x.ndim != 2:
+        raise ValueError(f"fit_codebook expects a 2-D [N, d] tensor, got shape {tuple(x.shape)}.")
+    x = x.float()
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("fit_codebook got no samples.")
+    w = torch.ones(n, device=x.device) if weights is None else weights.float().clamp_min(0)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+
+    norms = x.norm(dim=1)
+    directions = x / norms.clamp_min(_EPS)[:, None]
+    seed_rows = torch.randperm(n, generator=generator)[: min(n, init_sample)]
+    seed_space = directions if spec.spherical_init else x
+    k_init = min(codebook_size, n)
+    init = _kmeans_plus_plus(seed_space[seed_rows.to(x.device)].cpu(), k_init, generator).to(x.device)
+    if k_init < codebook_size:  # fewer samples than codewords: duplicate (harmless, never selected twice usefully)
+        init = init[torch.arange(codebook_size) % k_init]
+
+    if spec.kind == "l2":
+        codebook = init.clone()
+    elif spec.kind == "gskm":
+        shapes = init / init.norm(dim=1, keepdim=True).clamp_min(_EPS)
+        gains = torch.full((codebook_size,), float((w * norms).sum() / w.sum().clamp_min(_EPS)), device=x.device)
+        # One LS pass so the first assignment sees sensible gains rather than one global scalar.
+        codebook = gains[:, None] * shapes
+    else:
+        raise ValueError(f"Unknown learner kind {spec.kind!r}; choose one of {sorted(CODEBOOK_LEARNERS)}.")
+
+    for _ in range(n_iter):
+        if spec.kind == "gskm" and spec.assignment == "cosine":
+            assign = nearest_codeword(directions, codebook / codebook.norm(dim=1, keepdim=True).clamp_min(_EPS))
+        else:
+            assign = nearest_codeword(x, codebook)
+        mass = _weighted_sums(assign, w, codebook_size)
+        if spec.kind == "l2":
+            sums = _weighted_sums(assign, w[:, None] * x, codebook_size)
+            updated = sums / mass.clamp_min(_EPS)[:, None]
+        else:
+            if spec.shape == "principal":
+                shapes = _principal_shapes(x, w, assign, codebook_size, codebook)
+            else:
+                shape_sums = _weighted_sums(assign, w[:, None] * directions, codebook_size)
+                shapes = shape_sums / shape_sums.norm(dim=1, keepdim=True).clamp_min(_EPS)
+            projections = (x * shapes[assign]).sum(dim=1)
+            gains = (_weighted_sums(assign, w * projections, codebook_size) / mass.clamp_min(_EPS)).clamp_min(0)
+            updated = gains[:, None] * shapes
+        empty = mass <= 0
+        updated[empty] = codebook[empty]
+        codebook = updated
+        if empty.any():
+            codebook = _reseed_empty(x, w, codebook, empty)
+    return codebook
+
+
+def _principal_shapes(x, w, assign, k, previous):
+    """Top eigenvector of each cluster's weighted second-moment matrix, sign-aligned with the cluster mean."""
+    d = x.shape[1]
+    outer = (w[:, None, None] * x[:, :, None] * x[:, None, :]).reshape(-1, d * d)
+    moments = _weighted_sums(assign, outer, k).reshape(k, d, d)
+    _, vectors = torch.linalg.eigh(moments)
+    top = vectors[:, :, -1]
+    means = _weighted_sums(assign, w[:, None] * x, k)
+    sign = torch.sign((top * means).sum(dim=1))
+    sign[sign == 0] = 1
+    top = top * sign[:, None]
+    counts = torch.bincount(assign, minlength=k)
+    prev_dirs = previous / previous.norm(dim=1, keepdim=True).clamp_min(_EPS)
+    return torch.where((counts > 0)[:, None], top, prev_dirs)
+
+
+def _reseed_empty(x, w, codebook, empty):
+    """Move each empty codeword onto one of the samples that are currently worst served."""
+    assign = nearest_codeword(x, codebook)
+    errors = w * ((x - codebook[assign]) ** 2).sum(dim=1)
+    worst = torch.topk(errors, int(empty.sum()), largest=True).indices
+    codebook = codebook.clone()
+    codebook[empty] = x[worst]
+    return codebook

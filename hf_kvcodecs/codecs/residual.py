@@ -1,0 +1,265 @@
+"""Transform-coded residual vector quantization of per-head KV vectors (the GSRQ codec).
+
+A head vector ``x`` (``[d]``) is coded as
+    s   = rms(x)                                 per-token, per-head scale, stored in fp16
+    z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled)
+    z is split into groups of ``group_dim`` consecutive components; the codec is an ordered list of *stages*,
+    each a (group, codebook) pair: stage m codes the running residual of its group with one ``codebook_bits`` index.
+Stages are allocated greedily across groups by the weighted error they remove on calibration data (reverse
+water-filling in practice: high-variance principal components get more stages, weak ones none), so a lower bit rate
+is exactly a prefix of the stage list, and one calibration serves every rate up to the largest one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .kmeans import fit_codebook, nearest_codeword
+
+SCALE_BITS = 16  # the per-token-per-head scale is stored as fp16
+_EPS = 1e-8
+
+
+@dataclass
+class TransformResidualVQ:
+    """One fitted codec for one layer's keys or values. Tensors are float32 on the codec's device."""
+
+    mean: torch.Tensor  # [H, D]
+    basis: torch.Tensor  # [H, D, D], orthogonal; columns are components in coding order
+    stage_groups: torch.Tensor  # [S] int64, group index of each stage
+    codebooks: torch.Tensor  # [S, K, group_dim]
+    group_dim: int
+    stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
+
+    @property
+    def num_heads(self) -> int:
+        return self.mean.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.mean.shape[1]
+
+    @property
+    def num_stages(self) -> int:
+        return self.codebooks.shape[0]
+
+    @property
+    def codebook_bits(self) -> int:
+        return int(math.log2(self.codebooks.shape[1]))
+
+    def code_bits_per_vector(self) -> int:
+        return self.num_stages * self.codebook_bits
+
+    def bits_per_element(self) -> float:
+        """Index bits plus the fp16 scale, per KV element."""
+        return (self.code_bits_per_vector() + SCALE_BITS) / self.head_dim
+
+    def truncated(self, num_stages: int) -> "TransformResidualVQ":
+        """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
+        if not 0 <= num_stages <= self.num_stages:
+            raise ValueError(f"num_stages must be in [0, {self.num_stages}], got {num_stages}.")
+        return TransformResidualVQ(
+            self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats
+        )
+
+    def to(self, device=None, dtype=None) -> "TransformResidualVQ":
+        move = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None)  # noqa: E731
+        return TransformResidualVQ(
+            move(self.mean), move(self.basis), self.stage_groups.to(device), move(self.codebooks), self.group_dim, self.stats
+        )
+
+    # ---- coding ---------------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, scales ``[H, N]`` fp16)."""
+        self._check_input(x)
+        scales = _rms(x).to(torch.float16)
+        z = self._analyze(x.float(), scales.float())
+        num_heads, n, _ = z.shape
+        codes = torch.empty(num_heads, n, self.num_stages, dtype=torch.uint8, device=x.device)
+        residual = z.reshape(num_heads, n, -1, self.group_dim)
+        for stage in range(self.num_stages):
+            group = int(self.stage_groups[stage])
+            codebook = self.codebooks[stage]
+            target = residual[:, :, group, :].reshape(-1, self.group_dim)
+            index = nearest_codeword(target, codebook)
+            residual[:, :, group, :] -= codebook[index].reshape(num_heads, n, self.group_dim)
+            codes[:, :, stage] = index.reshape(num_heads, n).to(torch.uint8)
+        return codes, scales
+
+    def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` scales -> ``[H, N, D]``."""
+        num_heads, n, num_codes = codes.shape
+        if num_codes != self.num_stages:
+            raise ValueError(f"Got {num_codes} codes per vector but the codec has {self.num_stages} stages.")
+        groups = self.head_dim // self.group_dim
+        z = torch.zeros(num_heads, n, groups, self.group_dim, device=codes.device, dtype=self.codebooks.dtype)
+        indices = codes.long()
+        for stage in range(self.num_stages):
+            z[:, :, int(self.stage_groups[stage]), :] += self.codebooks[stage][indices[:, :, stage]]
+        return self._synthesize(z.reshape(num_heads, n, self.head_dim), scales.to(self.codebooks.dtype)).to(dtype)
+
+    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scales = self.encode(x)
+        return self.decode(codes, scales, dtype=x.dtype)
+
+    def _analyze(self, x, scales):
+        return torch.einsum("hnd,hde->hne", x / scales.clamp_min(_EPS)[..., None] - self.mean[:, None, :], self.basis)
+
+    def _synthesize(self, z, scales):
+        return (torch.einsum("hne,hde->hnd", z, self.basis) + self.mean[:, None, :]) * scales[..., None]
+
+    def _check_input(self, x):
+        if x.ndim != 3 or x.shape[0] != self.num_heads or x.shape[2] != self.head_dim:
+            raise ValueError(
+                f"Expected [heads={self.num_heads}, tokens, head_dim={self.head_dim}] vectors, got {tuple(x.shape)}: "
+                "these codebooks were fitted for a model with a different number of KV heads or head size."
+            )
+
+    # ---- serialization --------------------------------------------------------------------------------------
+    def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.mean": self.mean.contiguous(),
+            f"{prefix}.basis": self.basis.contiguous(),
+            f"{prefix}.stage_groups": self.stage_groups.contiguous(),
+            f"{prefix}.codebooks": self.codebooks.contiguous(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, stats=None):
+        return cls(
+            tensors[f"{prefix}.mean"].float(),
+            tensors[f"{prefix}.basis"].float(),
+            tensors[f"{prefix}.stage_groups"].long(),
+            tensors[f"{prefix}.codebooks"].float(),
+            group_dim,
+            stats or {},
+        )
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2).mean(dim=-1).sqrt().clamp_min(_EPS)
+
+
+def fit_transform_residual_vq(
+    samples: torch.Tensor,
+    *,
+    max_stages: int,
+    group_dim: int = 8,
+    codebook_bits: int = 8,
+    learner: str = "gskm",
+    weighted: bool = True,
+    transform: str = "pca",
+    n_iter: int = 15,
+    fit_rows: int = 16384,
+    seed: int = 0,
+    progress: bool = False,
+) -> TransformResidualVQ:
+    """Fit a codec on calibration vectors ``samples`` (``[H, N, D]``).
+
+    ``weighted`` uses the squared per-token scale as sample weight (the "weighted GSKM": the objective becomes the
+    error in the original KV space). ``transform`` is ``"pca"`` (per-head KLT of the normalized vectors) or
+    ``"none"``. Stage allocation across groups is greedy on the weighted error removed.
+    """
+    if samples.ndim != 3:
+        raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
+    num_heads, n, head_dim = samples.shape
+    if head_dim % group_dim:
+        raise ValueError(f"group_dim={group_dim} must divide head_dim={head_dim}.")
+    if not 1 <= codebook_bits <= 8:
+        raise ValueError(f"codebook_bits must be in 1..8 (codes are stored as uint8), got {codebook_bits}.")
+    x = samples.float()
+    scales = _rms(x)
+    normalized = x / scales[..., None]
+    if transform == "pca":
+        mean = normalized.mean(dim=1)
+        centered = normalized - mean[:, None, :]
+        weights_for_cov = (scales**2 if weighted else torch.ones_like(scales))[..., None]
+        covariance = torch.einsum("hnd,hne->hde", centered * weights_for_cov, centered) / weights_for_cov.sum(dim=1)[..., None]
+        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+        basis = eigenvectors.flip(-1)  # descending variance: strong components first, so groups share a scale
+    elif transform == "none":
+        mean = torch.zeros(num_heads, head_dim)
+        basis = torch.eye(head_dim).expand(num_heads, head_dim, head_dim).clone()
+    else:
+        raise ValueError(f"transform must be 'pca' or 'none', got {transform!r}.")
+
+    codec = TransformResidualVQ(mean, basis, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2**codebook_bits, group_dim), group_dim)
+    groups = head_dim // group_dim
+    weights = (scales**2 if weighted else torch.ones_like(scales)).reshape(-1)  # [H*N]
+    residual = codec._analyze(x, scales).reshape(num_heads * n, groups, group_dim)
+    # Error is always measured in the original space (s^2-weighted), whatever the learner was trained on.
+    error_weights = (scales**2).reshape(-1)
+    signal_energy = float((x**2).sum())
+    generator = torch.Generator().manual_seed(seed)
+    fit_index = torch.randperm(num_heads * n, generator=generator)[: min(fit_rows, num_heads * n)]
+
+    candidates: dict[int, tuple[torch.Tensor, float]] = {}
+    stage_groups, codebooks, stage_stats = [], [], []
+    current_error = float((error_weights[:, None] * residual.pow(2).sum(-1)).sum())
+    bar = tqdm(total=max_stages, desc="stages", leave=False, disable=not progress)
+    for stage in range(max_stages):
+        for group in range(groups):
+            if group in candidates:
+                continue
+            target = residual[:, group, :]
+            codebook = fit_codebook(
+                target[fit_index], 2**codebook_bits, learner=learner, weights=weights[fit_index],
+                n_iter=n_iter, seed=seed + 7919 * stage + group,
+            )
+            decoded = codebook[nearest_codeword(target, codebook)]
+            before = (error_weights * target.pow(2).sum(-1)).sum()
+            after = (error_weights * (target - decoded).pow(2).sum(-1)).sum()
+            candidates[group] = (codebook, float(before - after))
+        best_group = max(candidates, key=lambda g: candidates[g][1])
+        codebook, reduction = candidates.pop(best_group)
+        residual[:, best_group, :] -= codebook[nearest_codeword(residual[:, best_group, :], codebook)]
+        current_error -= reduction
+        stage_groups.append(best_group)
+        codebooks.append(codebook)
+        stage_stats.append({"group": best_group, "relative_mse_after": current_error / signal_energy})
+        bar.update(1)
+    bar.close()
+    codec.stage_groups = torch.tensor(stage_groups, dtype=torch.long)
+    codec.codebooks = torch.stack(codebooks) if codebooks else codec.codebooks
+    codec.stats = {"stages": stage_stats, "learner": learner, "weighted": weighted, "transform": transform}
+    return codec
+
+
+def relative_mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    return float((x.float() - x_hat.float()).pow(2).sum() / x.float().pow(2).sum().clamp_min(_EPS))
+
+
+def gaussian_rate_distortion_reference(samples: torch.Tensor, code_bits_per_vector: float) -> float:
+    """Relative MSE of the ideal (infinite-dimensional) code for a Gaussian source with the samples' second moments.
+
+    Reverse water-filling over the eigenvalues of each head's second-moment matrix at ``code_bits_per_vector`` bits
+    per head vector; a lower bound no practical VQ of these vectors reaches, used as the yardstick in reports.
+    """
+    x = samples.float()
+    total_distortion, total_energy = 0.0, 0.0
+    for head in range(x.shape[0]):
+        moments = x[head].T @ x[head] / x.shape[1]
+        eigenvalues = torch.linalg.eigvalsh(moments).clamp_min(1e-20).double()
+        distortion = _water_fill(eigenvalues, code_bits_per_vector)
+        total_distortion += distortion
+        total_energy += float(eigenvalues.sum())
+    return total_distortion / total_energy
+
+
+def _water_fill(eigenvalues: torch.Tensor, rate_bits: float) -> float:
+    if rate_bits <= 0:
+        return float(eigenvalues.sum())
+    low, high = 1e-30, float(eigenvalues.max())
+    for _ in range(200):  # bisection on the water level theta (in log space)
+        theta = math.sqrt(low * high)
+        rate = float(0.5 * torch.log2(eigenvalues / theta).clamp_min(0).sum())
+        if rate > rate_bits:
+            low = theta
+        else:
+            high = theta
+    theta = high
+    return float(torch.minimum(eigenvalues, torch.tensor(theta, dtype=eigenvalues.dtype)).sum())

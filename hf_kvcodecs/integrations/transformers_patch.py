@@ -1,0 +1,98 @@
+"""The only module that touches private symbols of transformers.
+
+transformers 5.24 has no public hook to add a ``cache_implementation`` name: the accepted names are a module-level
+tuple read by ``GenerationConfig.validate`` and the cache is built by an if/elif chain in
+``GenerationMixin._prepare_cache_for_generation``. We extend the tuple and wrap that method so it builds our caches
+for our names and delegates everything else unchanged. The patch is idempotent, composes with other wrappers, and
+refuses to apply (with a clear error) if those symbols are not what this version of hf_kvcodecs was written against.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from typing import Callable
+
+from packaging.version import Version
+
+SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))  # [min, max)
+_PATCH_MARKER = "_hf_kvcodecs_cache_implementations"
+
+CACHE_IMPLEMENTATIONS: dict[str, Callable] = {}
+
+
+class TransformersIntegrationError(RuntimeError):
+    pass
+
+
+def _check_transformers():
+    import transformers
+    import transformers.generation.configuration_utils as generation_configuration
+    from transformers.generation.utils import GenerationMixin
+
+    version = Version(transformers.__version__)
+    low, high = SUPPORTED_TRANSFORMERS
+    if not low <= Version(version.base_version) < high:
+        raise TransformersIntegrationError(
+            f"hf_kvcodecs registers cache implementations by patching transformers internals and supports "
+            f"transformers>={low},<{high}; found {version}. Install a supported version "
+            f"(`pip install 'transformers>={low},<{high}'`) or upgrade hf_kvcodecs."
+        )
+    problems = []
+    if not isinstance(getattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", None), (tuple, list)):
+        problems.append("transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS is no longer a tuple")
+    method = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
+    if method is None:
+        problems.append("GenerationMixin._prepare_cache_for_generation no longer exists")
+    else:
+        parameters = list(inspect.signature(method).parameters)
+        if parameters[:3] != ["self", "generation_config", "model_kwargs"]:
+            problems.append(f"GenerationMixin._prepare_cache_for_generation has signature {parameters}")
+    if problems:
+        raise TransformersIntegrationError(
+            "hf_kvcodecs cannot register `cache_implementation` names with this transformers "
+            f"({transformers.__version__}): " + "; ".join(problems) + ". Please report this at hf_kvcodecs' issue tracker."
+        )
+    return generation_configuration, GenerationMixin
+
+
+def register_cache_implementation(name: str, factory: Callable) -> None:
+    """Make ``generate(cache_implementation=name, cache_config={...})`` build ``factory(config=..., **cache_config)``."""
+    generation_configuration, generation_mixin = _check_transformers()
+    CACHE_IMPLEMENTATIONS[name] = factory
+    if name not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS:
+        generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(generation_configuration.ALL_CACHE_IMPLEMENTATIONS) + (name,)
+    _wrap_prepare_cache(generation_mixin)
+
+
+def _wrap_prepare_cache(generation_mixin) -> None:
+    original = generation_mixin._prepare_cache_for_generation
+    if getattr(original, _PATCH_MARKER, None) is CACHE_IMPLEMENTATIONS:
+        return  # already wrapped by this module (e.g. a second import or importlib.reload of the package)
+
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        implementation = generation_config.cache_implementation
+        user_cache = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
+        if (
+            implementation in CACHE_IMPLEMENTATIONS
+            and not user_cache  # transformers raises its own clear error for cache= together with cache_implementation
+            and generation_config.use_cache is not False
+            and self._supports_default_dynamic_cache()
+        ):
+            from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+            cache_kwargs = copy.deepcopy(generation_config.cache_config) if generation_config.cache_config else {}
+            cache_kwargs.setdefault("config", self.config.get_text_config(decoder=True))
+            cache = CACHE_IMPLEMENTATIONS[implementation](**cache_kwargs)
+            if self.config.is_encoder_decoder:
+                cache = EncoderDecoderCache(cache, DynamicCache(config=self.config.get_text_config(decoder=True)))
+            if getattr(generation_config, "is_assistant", False):
+                cache.activate_past_recording()
+            model_kwargs["cache"] = cache
+            return None
+        return original(self, generation_config, model_kwargs, *args, **kwargs)
+
+    setattr(_prepare_cache_for_generation, _PATCH_MARKER, CACHE_IMPLEMENTATIONS)
+    generation_mixin._prepare_cache_for_generation = _prepare_cache_for_generation
