@@ -57,6 +57,42 @@ def calibrate_gsrq(
     started = time.perf_counter()
     corpus = load_corpus(text, default=CALIBRATION_DEFAULT)
     token_ids = tokenize_corpus(tokenizer, corpus)
+    return fit_gsrq_codebooks(
+        model, token_ids, text_info=corpus.to_dict(), bits=bits, learner=learner, weighted=weighted,
+        transform=transform, key_space=key_space, group_dim=group_dim, codebook_bits=codebook_bits,
+        window_tokens=window_tokens, sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows,
+        holdout_windows=holdout_windows, n_iter=n_iter, fit_rows=fit_rows, seed=seed, out=out, progress=progress,
+        started=started,
+    )
+
+
+def fit_gsrq_codebooks(
+    model,
+    token_ids: torch.Tensor,
+    *,
+    text_info: dict,
+    bits: float = 2.0,
+    learner: str = "gskm",
+    weighted: bool = True,
+    transform: str = "pca",
+    key_space: str = "pre_rope",
+    group_dim: int = 8,
+    codebook_bits: int = 8,
+    window_tokens: int = 512,
+    sampled_tokens_per_window: int = 256,
+    num_windows: int = 32,
+    holdout_windows: int = 4,
+    n_iter: int = 12,
+    fit_rows: int = 8192,
+    seed: int = 0,
+    out: str | Path | None = None,
+    progress: bool = True,
+    started: float | None = None,
+) -> GSRQCodebooks:
+    """:func:`calibrate_gsrq` on already tokenized text (``token_ids``: 1-D LongTensor; ``text_info`` describes it)."""
+    if key_space not in ("pre_rope", "post_rope"):
+        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
+    started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
     max_stages = stages_needed(bits, head_dim, codebook_bits)
@@ -65,7 +101,7 @@ def calibrate_gsrq(
     if token_ids.numel() < needed:
         raise ValueError(
             f"Calibration needs {needed} tokens ({num_windows}+{holdout_windows} windows of {window_tokens}), but the "
-            f"text ({corpus.description}) has {token_ids.numel()}. Pass more text or fewer windows."
+            f"text ({text_info.get('description')}) has {token_ids.numel()}. Pass more text or fewer windows."
         )
     samples = collect_kv_samples(
         model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
@@ -102,7 +138,7 @@ def calibrate_gsrq(
         "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
     }
     calibration = {
-        "text": corpus.to_dict(),
+        "text": text_info,
         "windows": samples.windows, "window_tokens": window_tokens, "tokens_seen": samples.tokens_seen,
         "sampled_tokens_per_layer": int(train_keys[0].shape[1]), "holdout_windows": holdout.windows,
         "seconds_collecting": collected - started, "seconds_fitting": finished - collected,

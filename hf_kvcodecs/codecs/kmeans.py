@@ -55,8 +55,11 @@ def _kmeans_plus_plus(points: torch.Tensor, k: int, generator: torch.Generator) 
     centers = [points[first]]
     closest = ((points - points[first]) ** 2).sum(dim=1)
     for _ in range(1, k):
-        probabilities = closest / closest.sum().clamp_min(_EPS)
-        index = torch.multinomial(probabilities, 1, generator=generator).item()
+        total = closest.sum()
+        if total > 0:
+            index = torch.multinomial(closest / total, 1, generator=generator).item()
+        else:  # every point already coincides with a center (fewer distinct points than codewords)
+            index = torch.randint(n, (1,), generator=generator).item()
         centers.append(points[index])
         closest = torch.minimum(closest, ((points - points[index]) ** 2).sum(dim=1))
     return torch.stack(centers)

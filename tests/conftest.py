@@ -1,0 +1,44 @@
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_kvcodecs  # noqa: F401  (registers cache_implementation="gsrq")
+from hf_kvcodecs.calibration import fit_gsrq_codebooks
+
+TINY_BITS = 3.0  # head_dim 16, 8-dim groups, 256-word codebooks: (3*16-16)/8 = 4 stages
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    settings = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_token_stream():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(3, 128, (4096,), generator=generator)
+
+
+@pytest.fixture(scope="session")
+def tiny_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny_codebooks")
+    fit_gsrq_codebooks(
+        tiny_model, tiny_token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},
+        bits=TINY_BITS, window_tokens=128, sampled_tokens_per_window=64, num_windows=8, holdout_windows=1,
+        n_iter=4, fit_rows=1024, out=directory, progress=False,
+    )
+    return directory

@@ -1,0 +1,96 @@
+import math
+
+import pytest
+import torch
+
+from hf_kvcodecs.codecs import fit_codebook, nearest_codeword
+from hf_kvcodecs.codecs.residual import (
+    SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse,
+)
+
+
+def _correlated_vectors(heads=2, n=3000, dim=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(heads, dim, dim, generator=generator) * torch.logspace(0, -1.5, dim)
+    gains = torch.rand(heads, n, 1, generator=generator) * 3 + 0.1
+    return torch.einsum("hnd,hde->hne", torch.randn(heads, n, dim, generator=generator), mixing) * gains
+
+
+def test_nearest_codeword_matches_brute_force():
+    generator = torch.Generator().manual_seed(0)
+    x, codebook = torch.randn(500, 8, generator=generator), torch.randn(64, 8, generator=generator)
+    brute = torch.cdist(x, codebook).argmin(dim=1)
+    assert torch.equal(nearest_codeword(x, codebook), brute)
+
+
+@pytest.mark.parametrize("learner", ["l2", "gskm", "gskm-cosine", "gskm-principal"])
+def test_learners_are_drop_in_and_beat_random_codewords(learner):
+    x = _correlated_vectors(heads=1)[0, :, :8]
+    codebook = fit_codebook(x, 32, learner=learner, n_iter=10, seed=0)
+    assert codebook.shape == (32, 8)
+    error = relative_mse(x, codebook[nearest_codeword(x, codebook)])
+    random_rows = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(3))[:32]]
+    baseline = relative_mse(x, random_rows[nearest_codeword(x, random_rows)])
+    # Cosine assignment ignores the gains, so on norm-heterogeneous data it is only required not to lose.
+    assert error < (1.0 if learner == "gskm-cosine" else 0.8) * baseline
+
+
+def test_l2_kmeans_fixed_point_is_weighted_cluster_mean():
+    x = _correlated_vectors(heads=1)[0, :, :4]
+    weights = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(5)) + 0.5
+    codebook = fit_codebook(x, 8, learner="l2", weights=weights, n_iter=60, seed=1)
+    assign = nearest_codeword(x, codebook)
+    for j in range(8):
+        members = assign == j
+        if members.any():
+            mean = (weights[members, None] * x[members]).sum(0) / weights[members].sum()
+            torch.testing.assert_close(codebook[j], mean, atol=1e-3, rtol=1e-3)
+
+
+def test_gskm_gain_is_least_squares_for_its_shape():
+    x = _correlated_vectors(heads=1)[0, :, :8]
+    codebook = fit_codebook(x, 16, learner="gskm", n_iter=20, seed=0)
+    assign = nearest_codeword(x, codebook)
+    shapes = codebook / codebook.norm(dim=1, keepdim=True)
+    # Scaling any codeword's gain up or down must not lower its cluster's error (LS optimality, up to one iteration).
+    for j in range(16):
+        members = x[assign == j]
+        if len(members) < 5:
+            continue
+        best = ((members @ shapes[j]).mean()).clamp_min(0)
+        assert abs(float(codebook[j].norm() - best)) < 0.15 * float(best) + 1e-4
+
+
+def test_residual_vq_error_falls_with_stages_and_prefixes_are_consistent():
+    train, test = _correlated_vectors(seed=0), _correlated_vectors(seed=1)
+    codec = fit_transform_residual_vq(train, max_stages=4, group_dim=8, codebook_bits=6, n_iter=6, fit_rows=2048)
+    errors = [relative_mse(test, codec.truncated(s).reconstruct(test)) for s in range(0, 5)]
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.5
+    codes, scales = codec.encode(test)
+    assert codes.dtype == torch.uint8 and codes.shape == (2, test.shape[1], 4)
+    assert scales.dtype == torch.float16 and scales.shape == (2, test.shape[1])
+    assert codec.bits_per_element() == pytest.approx((4 * 6 + SCALE_BITS) / 16)
+
+
+def test_codec_rejects_vectors_of_another_shape():
+    codec = fit_transform_residual_vq(_correlated_vectors(), max_stages=1, group_dim=8, codebook_bits=4, n_iter=2)
+    with pytest.raises(ValueError, match="different number of KV heads"):
+        codec.encode(torch.randn(3, 10, 16))
+
+
+def test_rate_distortion_reference_falls_with_rate_and_is_a_lower_bound():
+    samples = _correlated_vectors(seed=2)
+    references = [gaussian_rate_distortion_reference(samples, bits) for bits in (0, 8, 16, 32)]
+    assert references[0] == pytest.approx(1.0)
+    assert all(b < a for a, b in zip(references, references[1:]))
+    codec = fit_transform_residual_vq(samples, max_stages=2, group_dim=8, codebook_bits=8, n_iter=6)
+    achieved = relative_mse(samples, codec.reconstruct(samples))
+    assert achieved > gaussian_rate_distortion_reference(samples, codec.code_bits_per_vector()) * 0.9
+
+
+def test_water_filling_of_white_gaussian_matches_closed_form():
+    samples = torch.randn(1, 200000, 4, generator=torch.Generator().manual_seed(0))
+    # D(R) = 2^(-2R/d) of the variance for white Gaussian data.
+    assert gaussian_rate_distortion_reference(samples, 8) == pytest.approx(2 ** (-2 * 8 / 4), rel=0.03)
+    assert math.isclose(gaussian_rate_distortion_reference(samples, 0), 1.0)

@@ -1,0 +1,116 @@
+"""Bad input gets a clear error naming the problem and the fix."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from hf_kvcodecs import GSRQCache, GSRQCodebooks
+from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from transformers import LlamaForCausalLM
+
+from .conftest import tiny_llama_config
+
+
+def _copy(directory, tmp_path):
+    target = tmp_path / "codebooks"
+    shutil.copytree(directory, target)
+    return target
+
+
+def test_no_codebooks_is_an_error_not_a_silent_fallback(tiny_model):
+    with pytest.raises(ValueError, match="needs fitted codebooks.*hf-kvcodecs calibrate"):
+        tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="gsrq")
+
+
+def test_unknown_cache_config_key(tiny_model, tiny_codebooks_dir):
+    with pytest.raises(ValueError, match=r"Unknown GSRQCache option\(s\) \['windowlength'\].*valid cache_config keys"):
+        tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="gsrq",
+                            cache_config={"codebooks": str(tiny_codebooks_dir), "windowlength": 3})
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"num_hidden_layers": 3}, "num_hidden_layers"),
+    ({"num_key_value_heads": 4}, "num_key_value_heads"),
+    ({"head_dim": 32}, "head_dim"),
+])
+def test_codebooks_for_another_model(tiny_codebooks_dir, overrides, field):
+    other = LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+    with pytest.raises(ValueError, match=f"calibrated for a model with {field}=.*Calibrate codebooks for this model"):
+        other.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="gsrq",
+                       cache_config={"codebooks": str(tiny_codebooks_dir)})
+
+
+def test_layer_checks_head_shape_without_a_config(tiny_codebooks_dir):
+    other = LlamaForCausalLM(tiny_llama_config(num_key_value_heads=4)).eval()
+    cache = GSRQCache(codebooks=tiny_codebooks_dir)  # no config given: the first update catches the mismatch
+    with pytest.raises(ValueError, match="expect 2 KV heads of size 16"):
+        other(torch.tensor([[5, 6, 7]]), cache=cache)
+
+
+def test_rate_above_what_was_calibrated(tiny_codebooks_dir):
+    with pytest.raises(ValueError, match="calibrated with 4.*hf-kvcodecs calibrate --bits 8"):
+        GSRQCache(codebooks=tiny_codebooks_dir, bits=8)
+    with pytest.raises(ValueError, match="below the lowest rate"):
+        GSRQCache(codebooks=tiny_codebooks_dir, bits=0.5)
+
+
+def test_wrong_dtype_mid_sequence(tiny_model, tiny_codebooks_dir):
+    cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir)
+    layer = cache.layers[0]
+    cache.update(torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), 0)
+    with pytest.raises(ValueError, match="filled with torch.float32 states and now received torch.float16"):
+        layer.update(torch.randn(1, 2, 1, 16).half(), torch.randn(1, 2, 1, 16).half())
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(CodebookFileError, match="does not exist.*hf-kvcodecs calibrate"):
+        GSRQCodebooks.load(tmp_path / "nowhere")
+
+
+def test_corrupt_metadata(tiny_codebooks_dir, tmp_path):
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    (target / METADATA_FILE).write_text("{ not json")
+    with pytest.raises(CodebookFileError, match="not valid JSON.*corrupt"):
+        GSRQCodebooks.load(target)
+
+
+def test_future_format_version(tiny_codebooks_dir, tmp_path):
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    metadata = json.loads((target / METADATA_FILE).read_text())
+    metadata["format_version"] = 99
+    (target / METADATA_FILE).write_text(json.dumps(metadata))
+    with pytest.raises(CodebookFileError, match="format_version=99"):
+        GSRQCodebooks.load(target)
+
+
+def test_truncated_tensor_file(tiny_codebooks_dir, tmp_path):
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    data = (target / TENSORS_FILE).read_bytes()
+    (target / TENSORS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(CodebookFileError, match="corrupt or truncated"):
+        GSRQCodebooks.load(target)
+
+
+def test_inconsistent_tensors(tiny_codebooks_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    tensors = load_file(str(target / TENSORS_FILE))
+    tensors["layers.1.values.codebooks"] = tensors["layers.1.values.codebooks"][:, :100].contiguous()
+    save_file(tensors, str(target / TENSORS_FILE))
+    with pytest.raises(CodebookFileError, match="inconsistent codebooks"):
+        GSRQCodebooks.load(target)
+    del tensors["layers.1.values.codebooks"]
+    save_file(tensors, str(target / TENSORS_FILE))
+    with pytest.raises(CodebookFileError, match="lacks tensor"):
+        GSRQCodebooks.load(target)
+
+
+def test_round_trip_preserves_codecs(tiny_codebooks_dir):
+    codebooks = GSRQCodebooks.load(tiny_codebooks_dir)
+    x = torch.randn(2, 10, 16)
+    again = GSRQCodebooks.load(tiny_codebooks_dir)
+    torch.testing.assert_close(codebooks.key_codecs[1].reconstruct(x), again.key_codecs[1].reconstruct(x))
+    assert codebooks.calibration["text"]["description"].startswith("random token ids")

@@ -1,0 +1,216 @@
+"""GSRQCache under every generation path, checked against DynamicCache.
+
+"Exact" configurations keep every token in the full-precision window (window_length larger than the sequence), so
+outputs must be identical to DynamicCache; "coded" configurations really quantize, and are checked for invariants.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache, GenerationConfig, pipeline
+
+from hf_kvcodecs import GSRQCache
+from hf_kvcodecs.codecs.residual import TransformResidualVQ
+
+EXACT = {"window_length": 10_000}
+CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
+
+
+def _prompt(batch=2, length=24, seed=1):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+def test_exact_window_equals_dynamic_cache_greedy(tiny_model, tiny_codebooks_dir):
+    ids = _prompt()
+    reference = _greedy(tiny_model, ids)
+    via_name = _greedy(tiny_model, ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT})
+    via_object = _greedy(tiny_model, ids, cache=GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **EXACT))
+    assert torch.equal(reference, via_name) and torch.equal(reference, via_object)
+
+
+def test_deprecated_past_key_values_argument_still_works(tiny_model, tiny_codebooks_dir):
+    ids = _prompt()
+    reference = _greedy(tiny_model, ids)
+    legacy = _greedy(tiny_model, ids, past_key_values=GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **EXACT))
+    assert torch.equal(reference, legacy)
+
+
+def test_exact_window_equals_dynamic_cache_sampling(tiny_model, tiny_codebooks_dir):
+    ids = _prompt()
+    kwargs = dict(max_new_tokens=12, do_sample=True, top_k=20, eos_token_id=None, pad_token_id=0, num_return_sequences=2)
+    torch.manual_seed(7)
+    reference = tiny_model.generate(ids, **kwargs)
+    torch.manual_seed(7)
+    sampled = tiny_model.generate(ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT}, **kwargs)
+    assert torch.equal(reference, sampled)
+
+
+def test_exact_window_equals_dynamic_cache_beam_search(tiny_model, tiny_codebooks_dir):
+    ids = _prompt()
+    kwargs = dict(max_new_tokens=10, num_beams=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = tiny_model.generate(ids, **kwargs)
+    beams = tiny_model.generate(ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT}, **kwargs)
+    assert torch.equal(reference, beams)
+
+
+def test_exact_window_equals_dynamic_cache_prompt_lookup(tiny_model, tiny_codebooks_dir):
+    ids = torch.cat([_prompt(1, 12), _prompt(1, 12)], dim=1)  # repetition gives prompt lookup something to propose
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0, prompt_lookup_num_tokens=3)
+    reference = tiny_model.generate(ids, **kwargs)
+    looked_up = tiny_model.generate(ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT}, **kwargs)
+    assert torch.equal(reference, looked_up)
+
+
+def test_exact_window_equals_dynamic_cache_padded_batch(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(2, 20)
+    mask = torch.ones_like(ids)
+    ids[0, :6], mask[0, :6] = 0, 0  # left padding in the first row
+    reference = _greedy(tiny_model, ids, attention_mask=mask)
+    padded = _greedy(tiny_model, ids, attention_mask=mask, cache_implementation="gsrq",
+                     cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT})
+    assert torch.equal(reference, padded)
+
+
+def test_generation_config_default_and_pipeline_pick_up_gsrq(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(1)
+    config = GenerationConfig(cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT},
+                              max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = tiny_model.generate(ids, generation_config=config, return_dict_in_generate=True)
+    assert isinstance(out.cache, GSRQCache)
+    assert config.cache_config == {"codebooks": str(tiny_codebooks_dir), **EXACT}  # the caller's dict is not consumed
+
+    original = tiny_model.generation_config
+    try:
+        tiny_model.generation_config = config
+        out = tiny_model.generate(ids, return_dict_in_generate=True)
+        assert isinstance(out.cache, GSRQCache)
+    finally:
+        tiny_model.generation_config = original
+
+
+def test_pipeline_text_generation_uses_gsrq(tiny_model, tiny_codebooks_dir, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(128)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w2")
+    built = []
+    original_init = GSRQCache.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(kwargs)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GSRQCache, "__init__", spy)
+    generator = pipeline("text-generation", model=tiny_model, tokenizer=tokenizer)
+    prompt = " ".join(f"w{i}" for i in range(5, 30))
+    coded = generator(prompt, max_new_tokens=6, do_sample=False, cache_implementation="gsrq",
+                      cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT})
+    plain = generator(prompt, max_new_tokens=6, do_sample=False)
+    assert built, "the pipeline did not build a GSRQCache"
+    assert coded[0]["generated_text"] == plain[0]["generated_text"]
+
+
+def test_coded_cache_stores_codes_once_and_holds_no_float_copy(tiny_model, tiny_codebooks_dir, monkeypatch):
+    encoded_tokens = []
+    original_encode = TransformResidualVQ.encode
+
+    def counting_encode(self, x):
+        encoded_tokens.append(x.shape[1])
+        return original_encode(self, x)
+
+    monkeypatch.setattr(TransformResidualVQ, "encode", counting_encode)
+    ids = _prompt(1, 30)
+    out = _greedy(tiny_model, ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **CODED},
+                  return_dict_in_generate=True)
+    cache = out.cache
+    layer = cache.layers[0]
+    lengths = layer.region_lengths()
+    total = ids.shape[1] + 16 - 1  # the last generated token is never fed back
+    assert sum(lengths.values()) == total == cache.get_seq_length()
+    assert lengths["sinks"] == 2 and 4 <= lengths["window"] <= 8
+    # Every coded token was encoded exactly once (per layer, for keys and values): no re-quantization.
+    assert sum(encoded_tokens) == 2 * 2 * lengths["codes"]
+    assert layer.key_codes.dtype == torch.uint8 and layer.value_codes.dtype == torch.uint8
+    float_tokens = [t.shape[-2] for t in (layer.sink_keys, layer.window_keys)]
+    assert sum(float_tokens) == lengths["sinks"] + lengths["window"]
+
+
+def test_coded_cache_is_close_to_full_precision_and_improves_with_bits(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(1, 64, seed=3)
+    with torch.inference_mode():
+        reference = tiny_model(ids).logits[0, -8:].log_softmax(-1)
+
+        def divergence(bits):
+            cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=bits, **CODED)
+            tiny_model(ids[:, :-8], cache=cache)
+            steps = [tiny_model(ids[:, i : i + 1], cache=cache).logits[0, -1].log_softmax(-1) for i in range(56, 64)]
+            coded = torch.stack(steps)
+            return float((reference.exp() * (reference - coded)).sum(-1).mean())
+
+        low, high = divergence(1.5), divergence(3.0)
+    assert 0 <= high < low
+    assert high < 0.05  # a random tiny model: a loose bound that a broken decode (wrong RoPE, wrong order) fails
+
+
+def test_crop_rolls_back_every_region_exactly(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(1, 40, seed=4)
+    with torch.inference_mode():
+        cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        tiny_model(ids[:, :30], cache=cache)
+        keys_before, values_before = cache.layers[1]._full_keys(), cache.layers[1]._full_values()
+        codes_before = cache.layers[1].key_codes.clone()
+        tiny_model(ids[:, 30:33], cache=cache)  # stays inside the window: a rollback restores the exact state
+        cache.crop(-3)
+        assert cache.get_seq_length() == 30 and cache.ledger.positions.shape[1] == 30
+        torch.testing.assert_close(cache.layers[1]._full_keys(), keys_before)
+        torch.testing.assert_close(cache.layers[1]._full_values(), values_before)
+        tiny_model(ids[:, 30:], cache=cache)  # forces a flush; rolling back keeps earlier codes untouched
+        cache.crop(-10)
+        assert cache.get_seq_length() == 30 and sum(cache.layers[1].region_lengths().values()) == 30
+        assert torch.equal(cache.layers[1].key_codes[..., : codes_before.shape[-2], :], codes_before)
+        cache.crop(-29)  # into the codes and the sinks
+        assert cache.layers[0].region_lengths() == {"sinks": 1, "codes": 0, "window": 0}
+
+
+def test_batch_operations_match_dynamic_cache(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(3, 20, seed=5)
+    with torch.inference_mode():
+        gsrq, dynamic = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **EXACT), DynamicCache()
+        for cache in (gsrq, dynamic):
+            tiny_model(ids, cache=cache)
+            cache.batch_repeat_interleave(2)
+            cache.batch_select_indices(torch.tensor([0, 3, 5]))
+            cache.reorder_cache(torch.tensor([2, 0, 1]))
+        step = ids[[2, 0, 1], -1:]  # any next token per row
+        a = tiny_model(step, cache=gsrq).logits
+        b = tiny_model(step, cache=dynamic).logits
+        torch.testing.assert_close(a, b)
+        assert gsrq.ledger.positions.shape == (3, 21)
+
+        gsrq.reset()
+        assert gsrq.get_seq_length() == 0 and gsrq.ledger.positions is None
+        fresh = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **EXACT)
+        torch.testing.assert_close(tiny_model(ids, cache=gsrq).logits, tiny_model(ids, cache=fresh).logits)
+
+
+def test_coded_cache_beam_search_and_batch_ops_keep_rows_consistent(tiny_model, tiny_codebooks_dir):
+    """With real quantization, a reordered cache must equal a cache filled directly with the reordered rows."""
+    ids = _prompt(3, 24, seed=6)
+    order = torch.tensor([2, 2, 0])
+    with torch.inference_mode():
+        reordered = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        tiny_model(ids, cache=reordered)
+        reordered.reorder_cache(order)
+        direct = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        tiny_model(ids[order], cache=direct)
+        step = ids[order, -1:]
+        torch.testing.assert_close(tiny_model(step, cache=reordered).logits, tiny_model(step, cache=direct).logits)
+    out = tiny_model.generate(ids, max_new_tokens=8, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **CODED})
+    assert out.shape == (3, 32)
