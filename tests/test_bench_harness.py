@@ -63,6 +63,15 @@ def failing_cache(model):
     raise RuntimeError("this codec is broken")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    # The tiny model gains nothing from threads, and on a busy machine their spin-waiting multiplies the run time.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -209,7 +218,7 @@ def test_perplexity_matches_an_independent_no_cache_forward(results, model, eval
 def test_identical_cache_agrees_exactly_with_the_reference(results):
     reference = by_name(results, results["reference"])
     twin = by_name(results, "identical DynamicCache")
-    assert results["methods"][0]["name"] == results["reference"] == "float32 DynamicCache"
+    assert results["methods"][0]["name"] == results["reference"] == "fp32 DynamicCache"
     assert twin["perplexity"]["kl_mean"] == pytest.approx(0.0, abs=1e-6)
     assert twin["perplexity"]["top1_agreement"] == 1.0
     assert twin["perplexity"]["delta_ppl_pct"] == pytest.approx(0.0, abs=1e-6)
@@ -293,6 +302,6 @@ def test_write_reports(results, tmp_path):
     table = [line for line in paths["markdown"].read_text().splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(results["methods"])
     assert any("failed: " in row and "broken" in row for row in table)
-    reference_row = next(row for row in table if row.startswith("| float32 DynamicCache"))
+    reference_row = next(row for row in table if row.startswith("| fp32 DynamicCache"))
     assert "32.00" in reference_row and "(1.00×)" in reference_row
     assert paths["plot"].stat().st_size > 10_000

@@ -61,11 +61,14 @@ class CacheMethod:
     skip_reason: str | None = None
 
 
+_SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
 def full_precision_method(model: PreTrainedModel) -> CacheMethod:
     """The reference: transformers' ``DynamicCache`` at the model's own precision."""
     dtype = model.dtype
     return CacheMethod(
-        name=f"{str(dtype).removeprefix('torch.')} DynamicCache",
+        name=f"{_SHORT_DTYPE_NAMES.get(dtype, str(dtype).removeprefix('torch.'))} DynamicCache",
         make_cache=lambda model: DynamicCache(config=model.config),
         family=FULL_PRECISION,
         nominal_bits=float(torch.finfo(dtype).bits),
@@ -73,7 +76,7 @@ def full_precision_method(model: PreTrainedModel) -> CacheMethod:
 
 
 def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128) -> list[CacheMethod]:
-    """The full-precision ``DynamicCache`` plus transformers' ``QuantizedCache`` at its best settings, not only defaults.
+    """The full-precision ``DynamicCache`` and transformers' ``QuantizedCache`` at its best settings, not only defaults.
 
     quanto 4- and 2-bit with per-channel keys (``axis_key=-1``, KIVI-style) and per-token values, and quanto 2-bit with
     the default per-token keys so that its collapse is visible. HQQ (``axis=1`` for keys and values, its better
@@ -142,7 +145,7 @@ def _quanto_token_multiple(kv_heads: int, head_dim: int, axis: int, group_size: 
 
 def _hqq_token_multiple(kv_heads: int, head_dim: int, nbits: int, group_size: int) -> int:
     """Token counts HQQ can quantize with axis 1 (batch 1): groups of ``group_size`` elements, and the group rows are
-    bit-packed ``8 // nbits`` at a time."""
+    bit-packed ``8 // nbits`` at a time (the limit measured in shared/docs/benchmark-protocol.md for head_dim 64)."""
     elements = group_size * (8 // nbits)
     return elements // math.gcd(kv_heads * head_dim, elements)
 
@@ -199,9 +202,13 @@ def evaluate_methods(
     adjustments: list[str] = []
     alignment = math.lcm(*(method.prefill_multiple for method in runnable))
     constrained = ", ".join(method.name for method in runnable if method.prefill_multiple > 1)
-    context_len = _trim_to_multiple(context_len, alignment, "context_len", constrained, adjustments)
-    passkey_lengths = [_trim_to_multiple(n, alignment, "pass-key length", constrained, adjustments) for n in passkey_lengths]
-    speed_contexts = [_trim_to_multiple(n, alignment, "speed context", constrained, adjustments) for n in speed_contexts]
+
+    def trim(length: int, what: str) -> int:
+        return _trim_to_multiple(length, alignment, what, constrained, adjustments)
+
+    context_len = trim(context_len, "context_len")
+    passkey_lengths = [trim(length, "pass-key length") for length in passkey_lengths] if passkey_trials > 0 else []
+    speed_contexts = [trim(context, "speed context") for context in speed_contexts]
     speed_contexts = _fitting(speed_contexts, len(eval_token_ids) - speed_tokens, "speed context", adjustments)
     passkey_lengths = _fitting(passkey_lengths, len(eval_token_ids), "pass-key length", adjustments)
 
@@ -213,7 +220,9 @@ def evaluate_methods(
         elements_per_token=elements_per_token,
         greedy_prompts=[window[:context_len] for window in windows[:greedy_prompts]],
         greedy_tokens=greedy_tokens,
-        passkey_cases=_passkey_cases(tokenizer, eval_token_ids, passkey_lengths, passkey_depths, passkey_trials, generator),
+        passkey_cases=_passkey_cases(
+            tokenizer, eval_token_ids, passkey_lengths, passkey_depths, passkey_trials, generator
+        ),
         passkey_answer_tokens=passkey_answer_tokens,
         progress=progress,
     )
@@ -361,9 +370,13 @@ def _guarded(entry: dict, phase: str, is_reference: bool, run: Callable):
 def _trim_to_multiple(length: int, multiple: int, what: str, constrained_by: str, adjustments: list[str]) -> int:
     trimmed = length - length % multiple
     if trimmed <= 0:
-        raise ValueError(f"{what} {length} is shorter than the prefill multiple {multiple} required by {constrained_by}.")
+        raise ValueError(
+            f"{what} {length} is shorter than the prefill multiple {multiple} required by {constrained_by}."
+        )
     if trimmed != length:
-        adjustments.append(f"{what} {length} trimmed to {trimmed}, a multiple of {multiple}, required by {constrained_by}")
+        adjustments.append(
+            f"{what} {length} trimmed to {trimmed}, a multiple of {multiple}, required by {constrained_by}"
+        )
     return trimmed
 
 
@@ -415,7 +428,8 @@ def _teacher_forced(model, method, plan, reference_logprobs, warm_cache):
     """
     context_len = plan.context_len
     nlls, kls, top1_matches, memory, all_logprobs = [], [], [], {}, []
-    for window_index, window in enumerate(tqdm(plan.windows, desc=f"{method.name}: perplexity", disable=not plan.progress)):
+    windows = tqdm(plan.windows, desc=f"{method.name}: perplexity", disable=not plan.progress)
+    for window_index, window in enumerate(windows):
         cache = method.make_cache(model)
         _prefill(model, cache, window[:context_len])
         continuation = window[context_len:-1]

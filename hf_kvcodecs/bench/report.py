@@ -1,8 +1,9 @@
-"""Write a benchmark's results (from ``harness.evaluate_methods``) as JSON, a Markdown table and a quality-vs-bits plot."""
+"""Write benchmark results (from ``harness.evaluate_methods``) as JSON, a Markdown table and a quality-vs-bits plot."""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 MISSING = "–"
@@ -17,7 +18,8 @@ def write_reports(results: dict, out_dir) -> dict[str, Path]:
         "markdown": out_dir / "results.md",
         "plot": out_dir / "quality_vs_bits.png",
     }
-    paths["json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    # default=str: a method's free-form ``extra`` may hold values JSON has no type for (paths, dtypes).
+    paths["json"].write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
     paths["markdown"].write_text(markdown_report(results), encoding="utf-8")
     plot_quality_vs_bits(results, paths["plot"])
     return paths
@@ -40,7 +42,7 @@ def markdown_report(results: dict) -> str:
         f"{settings['greedy_tokens']} generated tokens; prefix = tokens equal to the reference before the first "
         "divergence, agree = fraction of positions equal",
         f"- Pass key: haystacks of {settings['passkey_lengths']} tokens, needle depths {settings['passkey_depths']}, "
-        f"{settings['passkey_trials_per_cell']} keys per cell, question fed in decode mode",
+        f"keys per cell: {settings['passkey_trials_per_cell']}, question fed in decode mode",
         f"- Memory: bytes of every tensor each cache holds, as bits per K/V element, after prefill "
         f"({settings['context_len']} tokens) and after the continuation; tables shared by all caches of a method are "
         "listed apart (shared MiB)",
@@ -80,7 +82,7 @@ def _row(entry: dict, speed_contexts: list[int], width: int) -> list[str]:
         _number(memory["shared_bytes"] / 2**20, ".2f") if "shared_bytes" in memory else MISSING,
         _number(perplexity.get("ppl"), ".3f"),
         _with_error(perplexity.get("delta_ppl_pct"), perplexity.get("delta_ppl_pct_se")),
-        _number(perplexity.get("kl_mean"), ".4f"),
+        _number(perplexity.get("kl_mean"), ".3g"),
         _number(perplexity.get("top1_agreement"), ".3f"),
         _number(greedy.get("prefix_match_tokens"), ".1f"),
         _number(greedy.get("position_agreement"), ".2f"),
@@ -154,11 +156,11 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
         axis.axhline(0.0, color="grey", linewidth=0.8)
         axis.grid(True, alpha=0.3)
     settings = results["settings"]
-    figure.suptitle(
+    title = (
         f"{results['model']['description']}: {settings['n_windows']} × ({settings['context_len']} prefilled + "
-        f"{settings['continuation_len']} decoded) tokens of {results['evaluation_text']['description'][:60]}",
-        fontsize=9,
+        f"{settings['continuation_len']} decoded) tokens of {results['evaluation_text']['description']}"
     )
+    figure.suptitle(textwrap.fill(title, width=160), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -37,6 +37,7 @@ class PositionLedger:
 
     def __init__(self):
         self.positions: torch.Tensor | None = None
+        self._angles = None  # ((start, end), (cos, sin)) shared by the layers during one forward pass
 
     def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device) -> None:
         if position_ids is None:
@@ -49,10 +50,25 @@ class PositionLedger:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but {new_tokens} new tokens arrived.")
         position_ids = position_ids.expand(batch_size, new_tokens)
         self.positions = position_ids.clone() if self.positions is None else torch.cat([self.positions, position_ids], dim=1)
+        self.forget_angles()
 
     def apply(self, fn) -> None:
         if self.positions is not None:
             self.positions = fn(self.positions)
+        self.forget_angles()
+
+    def rotary_angles(self, start: int, end: int, inv_freq: torch.Tensor, attention_scaling: float):
+        """cos/sin for the tokens in slots ``[start, end)``; every layer asks for the same range in one forward
+        pass, so the result is kept until :meth:`forget_angles` (called once the last layer is done)."""
+        if self.positions is None or self.positions.shape[1] < end:
+            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
+        key = (start, end)
+        if self._angles is None or self._angles[0] != key:
+            self._angles = (key, rotary_cos_sin(self.positions[:, start:end], inv_freq, attention_scaling))
+        return self._angles[1]
+
+    def forget_angles(self) -> None:
+        self._angles = None
 
 
 class GSRQLayer(CacheLayerMixin):
@@ -150,10 +166,7 @@ class GSRQLayer(CacheLayerMixin):
         self.value_scales = torch.cat([self.value_scales, value_scales], dim=-1)
 
     def _cos_sin(self, start: int, end: int):
-        positions = self.ledger.positions
-        if positions is None or positions.shape[1] < end:
-            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
-        return rotary_cos_sin(positions[:, start:end], self.rope_inv_freq, self.rope_attention_scaling)
+        return self.ledger.rotary_angles(start, end, self.rope_inv_freq, self.rope_attention_scaling)
 
     @staticmethod
     def _encode(codec: TransformResidualVQ, states: torch.Tensor):
@@ -317,8 +330,8 @@ class GSRQCache(Cache):
             num_sink_tokens=num_sink_tokens,
         )
         layers = [
-            GSRQLayer(k.truncated(key_stages), v.truncated(value_stages), **layer_settings)
-            for k, v in zip(self.codebooks.key_codecs, self.codebooks.value_codecs)
+            GSRQLayer(k, v, **layer_settings)
+            for k, v in zip(self.codebooks.codecs_at("keys", key_stages), self.codebooks.codecs_at("values", value_stages))
         ]
         super().__init__(layers=layers)
 
@@ -330,7 +343,10 @@ class GSRQCache(Cache):
         if layer_idx == 0:
             forward_kwargs = kwargs.get("kwargs") or {}
             self.ledger.append(forward_kwargs.get("position_ids"), key_states.shape[0], key_states.shape[-2], key_states.device)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:
+            self.ledger.forget_angles()  # transient: not held between forward passes
+        return keys, values
 
     # The ledger follows every batch/rollback operation the layers get.
     def reorder_cache(self, beam_idx):
@@ -353,6 +369,7 @@ class GSRQCache(Cache):
     def reset(self):
         super().reset()
         self.ledger.positions = None
+        self.ledger.forget_angles()
 
     def bits_per_element(self) -> dict[str, float]:
         """Nominal rate of the coded region (indices + fp16 scales), per element, for keys and values."""

@@ -34,6 +34,17 @@ class GSRQCodebooks:
     rope_inv_freq: torch.Tensor | None = None  # needed when key_space == "pre_rope"
     rope_attention_scaling: float = 1.0
 
+    def __post_init__(self):
+        self._truncated: dict[tuple[str, int], list[TransformResidualVQ]] = {}
+
+    def codecs_at(self, kind: str, num_stages: int) -> list[TransformResidualVQ]:
+        """Per-layer ``kind`` ("keys"/"values") codecs truncated to ``num_stages``, memoized so that every cache at
+        the same rate shares one set of codecs (and their decode tables)."""
+        if (kind, num_stages) not in self._truncated:
+            codecs = self.key_codecs if kind == "keys" else self.value_codecs
+            self._truncated[(kind, num_stages)] = [codec.truncated(num_stages) for codec in codecs]
+        return self._truncated[(kind, num_stages)]
+
     @property
     def num_layers(self) -> int:
         return len(self.key_codecs)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .kmeans import fit_codebook, nearest_codeword
@@ -34,6 +35,7 @@ class TransformResidualVQ:
     codebooks: torch.Tensor  # [S, K, group_dim]
     group_dim: int
     stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
+    _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
 
     @property
     def num_heads(self) -> int:
@@ -95,12 +97,29 @@ class TransformResidualVQ:
         num_heads, n, num_codes = codes.shape
         if num_codes != self.num_stages:
             raise ValueError(f"Got {num_codes} codes per vector but the codec has {self.num_stages} stages.")
-        groups = self.head_dim // self.group_dim
-        z = torch.zeros(num_heads, n, groups, self.group_dim, device=codes.device, dtype=self.codebooks.dtype)
-        indices = codes.long()
-        for stage in range(self.num_stages):
-            z[:, :, int(self.stage_groups[stage]), :] += self.codebooks[stage][indices[:, :, stage]]
-        return self._synthesize(z.reshape(num_heads, n, self.head_dim), scales.to(self.codebooks.dtype)).to(dtype)
+        if num_codes == 0:
+            z = torch.zeros(num_heads, n, self.head_dim, device=codes.device, dtype=self.codebooks.dtype)
+        else:
+            table, offsets = self._decode_table()
+            # One fused gather-and-sum over all stages instead of a Python loop of gathers and slice-adds.
+            z = F.embedding_bag((codes.long() + offsets).reshape(-1, num_codes), table, mode="sum")
+            z = z.reshape(num_heads, n, self.head_dim)
+        return self._synthesize(z, scales.to(self.codebooks.dtype)).to(dtype)
+
+    def _decode_table(self):
+        """Codebooks placed at their group's slice of the full transform-domain vector: ``[S*K, D]`` plus offsets.
+
+        Built once per codec and shared by every cache that uses it (a per-model table, not per-token state).
+        """
+        if self._table is None or self._table[0].device != self.codebooks.device:
+            stages, size, _ = self.codebooks.shape
+            table = torch.zeros(stages, size, self.head_dim, dtype=self.codebooks.dtype, device=self.codebooks.device)
+            for stage in range(stages):
+                start = int(self.stage_groups[stage]) * self.group_dim
+                table[stage, :, start : start + self.group_dim] = self.codebooks[stage]
+            offsets = torch.arange(stages, device=self.codebooks.device) * size
+            self._table = (table.reshape(stages * size, self.head_dim), offsets)
+        return self._table
 
     def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
         codes, scales = self.encode(x)
@@ -110,7 +129,7 @@ class TransformResidualVQ:
         return torch.einsum("hnd,hde->hne", x / scales.clamp_min(_EPS)[..., None] - self.mean[:, None, :], self.basis)
 
     def _synthesize(self, z, scales):
-        return (torch.einsum("hne,hde->hnd", z, self.basis) + self.mean[:, None, :]) * scales[..., None]
+        return torch.baddbmm(self.mean[:, None, :], z, self.basis.transpose(1, 2)).mul_(scales[..., None])
 
     def _check_input(self, x):
         if x.ndim != 3 or x.shape[0] != self.num_heads or x.shape[2] != self.head_dim:

