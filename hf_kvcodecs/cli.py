@@ -38,7 +38,8 @@ def cmd_calibrate(args) -> int:
     loaded = _load(args)
     codebooks = calibrate_gsrq(
         loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,
-        weighted=not args.unweighted, transform=args.transform, key_space=args.key_space, group_dim=args.group_dim,
+        weighted=not args.unweighted, transform=args.transform, metric=args.metric, key_space=args.key_space,
+        group_dim=args.group_dim,
         num_windows=args.windows, seed=args.seed, out=args.out,
     )
     summary = {
@@ -158,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--learner", default="gskm", choices=["gskm", "l2", "gskm-cosine", "gskm-principal"])
     calibrate.add_argument("--unweighted", action="store_true", help="do not weight samples by their squared scale")
     calibrate.add_argument("--transform", default="pca", choices=["pca", "none"])
+    calibrate.add_argument("--metric", default="none", choices=["none", "attention"],
+                           help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--windows", type=int, default=32, help="512-token windows of calibration text")

@@ -68,7 +68,9 @@ def test_rows_cover_both_studies(results):
     assert all(set(row["metrics"]) == {"keys", "values"} for row in learner_rows)
     selected = {results["selection"]["best_gskm"], results["selection"]["best_l2"]}
     assert results["selection"]["best_l2"].startswith("l2,") and not results["selection"]["best_gskm"].startswith("l2,")
-    changes = {(row["config"]["transform"], row["config"]["group_dim"], row["config"]["key_space"]) for row in layout_rows}
+    changes = {
+        (row["config"]["transform"], row["config"]["group_dim"], row["config"]["key_space"]) for row in layout_rows
+    }
     assert changes == {("none", 8, "pre_rope"), ("pca", 16, "pre_rope"), ("pca", 8, "post_rope")}
     assert len(layout_rows) == 6
     for row in layout_rows:

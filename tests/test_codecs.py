@@ -94,3 +94,39 @@ def test_water_filling_of_white_gaussian_matches_closed_form():
     # D(R) = 2^(-2R/d) of the variance for white Gaussian data.
     assert gaussian_rate_distortion_reference(samples, 8) == pytest.approx(2 ** (-2 * 8 / 4), rel=0.03)
     assert math.isclose(gaussian_rate_distortion_reference(samples, 0), 1.0)
+
+
+def test_metric_moves_error_away_from_sensitive_directions():
+    samples = _correlated_vectors(seed=4)
+    sensitive = torch.ones(16)
+    sensitive[:4] = 50.0  # errors in the first four channels cost 50x
+    metric = torch.diag(sensitive).expand(2, 16, 16).clone()
+    plain = fit_transform_residual_vq(samples, max_stages=2, group_dim=8, codebook_bits=6, n_iter=6)
+    weighted = fit_transform_residual_vq(samples, max_stages=2, group_dim=8, codebook_bits=6, n_iter=6, metric=metric)
+
+    def metric_error(codec):
+        error = samples - codec.reconstruct(samples)
+        return float((error**2 * sensitive).sum())
+
+    assert metric_error(weighted) < metric_error(plain)
+    # with every stage the codec can afford, the metric codec still reconstructs (its transform is invertible)
+    exact = fit_transform_residual_vq(samples, max_stages=0, group_dim=8, metric=metric)
+    assert exact.synthesis is not None
+    torch.testing.assert_close(
+        torch.bmm(exact.basis, exact.synthesis), torch.eye(16).expand(2, 16, 16), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_attention_metrics_have_the_documented_structure(tiny_model):
+    from hf_kvcodecs.calibration.metrics import key_metric, value_metric
+
+    queries = torch.rand(4, 16)
+    keys = key_metric(queries, num_kv_heads=2)
+    assert keys.shape == (2, 16, 16)
+    expected = 0.5 * (queries[0, :8] + queries[0, 8:] + queries[1, :8] + queries[1, 8:])
+    torch.testing.assert_close(torch.diagonal(keys[0])[:8], expected)
+    torch.testing.assert_close(torch.diagonal(keys[0])[8:], expected)
+    weight = tiny_model.model.layers[0].self_attn.o_proj.weight
+    values = value_metric(weight, num_kv_heads=2, head_dim=16)
+    w0, w1 = weight[:, :16], weight[:, 16:32]
+    torch.testing.assert_close(values[0], (w0.T @ w0 + w1.T @ w1).detach())

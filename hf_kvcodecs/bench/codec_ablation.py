@@ -144,8 +144,8 @@ def run_codec_ablation(
     measure = _Measurer(samples, layers, stages, seeds, codebook_bits, head_dim, references, progress)
 
     learner_configs = [AblationConfig(learner, weighted) for learner in CODEBOOK_LEARNERS for weighted in (False, True)]
-    rows = [measure(config) for config in learner_configs]
-    learner_rows = list(rows)
+    learner_rows = [measure(config) for config in learner_configs]
+    rows = list(learner_rows)
     best_l2 = min((row for row in learner_rows if row["config"]["learner"] == "l2"), key=_score)
     best_gskm = min((row for row in learner_rows if row["config"]["learner"] != "l2"), key=_score)
     for base_row in (best_gskm, best_l2):
@@ -184,7 +184,9 @@ def _space(kind: str, key_space: str) -> str:
 
 
 def _vectors(samples: KVSamples, space: str, layer: int) -> torch.Tensor:
-    source = {"keys_pre_rope": samples.keys_pre_rope, "keys_post_rope": samples.keys_post_rope, "values": samples.values}
+    source = {
+        "keys_pre_rope": samples.keys_pre_rope, "keys_post_rope": samples.keys_post_rope, "values": samples.values,
+    }
     return source[space][layer]
 
 
@@ -278,7 +280,7 @@ def ablation_markdown(results: dict) -> str:
     several_seeds = len(settings["seeds"]) > 1
     l2_control = next(row for row in rows if row["config"]["learner"] == "l2" and not row["config"]["weighted"]
                       and row["config"]["study"] == "learner")
-    model = results["model"]
+    model = results["model"]  # "description" is optional: callers holding a LoadedModel may add its description
     stages = ", ".join(f"{rate} b/elt = {settings['stages'][rate]} stages" for rate in rates)
     lines = [
         "# Codec ablation: codebook learner, weighting and layout of the transform-coded residual VQ",
@@ -349,13 +351,14 @@ def ablation_markdown(results: dict) -> str:
             other for other in rows
             if other["config"] == {**row["config"], "key_space": "pre_rope", "study": "learner"}
         )
-        comparisons = ", ".join(
-            f"{rate} b/elt {pre['metrics']['keys'][rate]['relative_mse']:.4f} pre vs "
-            f"{row['metrics']['keys'][rate]['relative_mse']:.4f} post "
-            f"({row['metrics']['keys'][rate]['relative_mse'] / max(pre['metrics']['keys'][rate]['relative_mse'], _EPS):.2f}x)"
-            for rate in rates
-        )
-        lines.append(f"- `{pre['name']}`: {comparisons}")
+        comparisons = []
+        for rate in rates:
+            pre_error = pre["metrics"]["keys"][rate]["relative_mse"]
+            post_error = row["metrics"]["keys"][rate]["relative_mse"]
+            comparisons.append(
+                f"{rate} b/elt {pre_error:.4f} pre vs {post_error:.4f} post ({post_error / max(pre_error, _EPS):.2f}x)"
+            )
+        lines.append(f"- `{pre['name']}`: " + ", ".join(comparisons))
     return "\n".join(lines) + "\n"
 
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache.rope import rotary_cos_sin, undo_rope
+from .metrics import QueryEnergy
 
 
 class _PassThroughLayer(CacheLayerMixin):
@@ -44,6 +45,7 @@ class KVSamples:
     values: list[torch.Tensor]
     tokens_seen: int
     windows: int
+    query_mean_squared: list[torch.Tensor] | None = None  # per layer [H_q, D], pre-RoPE (when requested)
 
 
 @torch.inference_mode()
@@ -59,6 +61,7 @@ def collect_kv_samples(
     seed: int = 0,
     progress: bool = True,
     description: str = "collecting KV",
+    measure_queries: bool = False,
 ) -> KVSamples:
     """Run ``model`` over ``num_windows`` consecutive windows of ``token_ids`` and keep a random sample of tokens.
 
@@ -92,16 +95,26 @@ def collect_kv_samples(
             cos, sin = rotary_cos_sin(positions[:, chosen].expand(1, -1), rope[0], rope[1])
             pre_keys[index].append(undo_rope(keys[None], cos, sin, rope[1])[0].cpu())
 
-    for window in tqdm(range(num_windows), desc=description, disable=not progress):
-        ids = token_ids[window * window_tokens : (window + 1) * window_tokens][None].to(device)
-        chosen_positions = skip_first + torch.randperm(window_tokens - skip_first, generator=generator)[:sampled_tokens_per_window]
-        layers = [_PassThroughLayer(record) for _ in range(num_layers)]
-        layer_index.clear()
-        layer_index.update({id(layer): i for i, layer in enumerate(layers)})
-        model(input_ids=ids, cache=Cache(layers=layers), use_cache=True)
+    queries = None
+    if measure_queries:
+        text_config = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        queries = QueryEnergy(model, text_config.num_attention_heads, head_dim)
+    try:
+        for window in tqdm(range(num_windows), desc=description, disable=not progress):
+            ids = token_ids[window * window_tokens : (window + 1) * window_tokens][None].to(device)
+            chosen_positions = skip_first + torch.randperm(window_tokens - skip_first, generator=generator)[:sampled_tokens_per_window]
+            layers = [_PassThroughLayer(record) for _ in range(num_layers)]
+            layer_index.clear()
+            layer_index.update({id(layer): i for i, layer in enumerate(layers)})
+            model(input_ids=ids, cache=Cache(layers=layers), use_cache=True)
+    finally:
+        if queries is not None:
+            queries.remove()
 
     cat = lambda parts: [torch.cat(p, dim=1) for p in parts]  # noqa: E731
     return KVSamples(
         cat(post_keys), cat(pre_keys) if rope is not None else None, cat(values),
         tokens_seen=num_windows * window_tokens, windows=num_windows,
+        query_mean_squared=None if queries is None else [queries.mean_squared(i) for i in range(num_layers)],
     )

@@ -16,6 +16,7 @@ from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, gaussian_ra
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
 from .collect import collect_kv_samples
+from .metrics import attention_projections, key_metric, value_metric
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def calibrate_gsrq(
     learner: str = "gskm",
     weighted: bool = True,
     transform: str = "pca",
+    metric: str = "none",
     key_space: str = "pre_rope",
     group_dim: int = 8,
     codebook_bits: int = 8,
@@ -59,7 +61,7 @@ def calibrate_gsrq(
     token_ids = tokenize_corpus(tokenizer, corpus)
     return fit_gsrq_codebooks(
         model, token_ids, text_info=corpus.to_dict(), bits=bits, learner=learner, weighted=weighted,
-        transform=transform, key_space=key_space, group_dim=group_dim, codebook_bits=codebook_bits,
+        transform=transform, metric=metric, key_space=key_space, group_dim=group_dim, codebook_bits=codebook_bits,
         window_tokens=window_tokens, sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows,
         holdout_windows=holdout_windows, n_iter=n_iter, fit_rows=fit_rows, seed=seed, out=out, progress=progress,
         started=started,
@@ -75,6 +77,7 @@ def fit_gsrq_codebooks(
     learner: str = "gskm",
     weighted: bool = True,
     transform: str = "pca",
+    metric: str = "none",
     key_space: str = "pre_rope",
     group_dim: int = 8,
     codebook_bits: int = 8,
@@ -103,10 +106,12 @@ def fit_gsrq_codebooks(
             f"Calibration needs {needed} tokens ({num_windows}+{holdout_windows} windows of {window_tokens}), but the "
             f"text ({text_info.get('description')}) has {token_ids.numel()}. Pass more text or fewer windows."
         )
+    if metric not in ("attention", "none"):
+        raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
     samples = collect_kv_samples(
         model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
         sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows, rope=rope, seed=seed,
-        progress=progress, description="calibration activations",
+        progress=progress, description="calibration activations", measure_queries=metric == "attention",
     )
     holdout = collect_kv_samples(
         model, token_ids[num_windows * window_tokens : needed], window_tokens=window_tokens,
@@ -119,9 +124,18 @@ def fit_gsrq_codebooks(
     key_codecs, value_codecs, per_layer = [], [], []
     train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
     test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
+    projections = attention_projections(model) if metric == "attention" else {}
+    kv_heads = fingerprint["num_key_value_heads"]
     for layer in tqdm(range(len(train_keys)), desc=f"fitting {learner} codebooks", disable=not progress):
-        key_codec = fit_transform_residual_vq(train_keys[layer], seed=seed + 2 * layer, **fit_settings)
-        value_codec = fit_transform_residual_vq(samples.values[layer], seed=seed + 2 * layer + 1, **fit_settings)
+        key_weights = value_weights = None
+        if metric == "attention":
+            if key_space == "pre_rope":  # the pair-averaged query metric only holds for keys coded before RoPE
+                key_weights = key_metric(samples.query_mean_squared[layer], kv_heads)
+            value_weights = value_metric(projections[layer]["o_proj"].weight, kv_heads, head_dim)
+        key_codec = fit_transform_residual_vq(train_keys[layer], metric=key_weights, seed=seed + 2 * layer, **fit_settings)
+        value_codec = fit_transform_residual_vq(
+            samples.values[layer], metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings
+        )
         key_codecs.append(key_codec)
         value_codecs.append(value_codec)
         per_layer.append({
@@ -133,7 +147,7 @@ def fit_gsrq_codebooks(
     finished = time.perf_counter()
     mean = lambda key: sum(p[key] for p in per_layer) / len(per_layer)  # noqa: E731
     config = {
-        "learner": learner, "weighted": weighted, "transform": transform, "key_space": key_space,
+        "learner": learner, "weighted": weighted, "transform": transform, "metric": metric, "key_space": key_space,
         "group_dim": group_dim, "codebook_bits": codebook_bits, "max_stages": max_stages, "max_bits": bits,
         "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
     }

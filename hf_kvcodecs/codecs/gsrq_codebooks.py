@@ -177,12 +177,15 @@ def _validate_codec(codec: TransformResidualVQ, config: dict, path) -> None:
     problems = []
     if tuple(codec.basis.shape) != (heads, dim, dim):
         problems.append(f"basis {tuple(codec.basis.shape)} != {(heads, dim, dim)}")
+    if codec.synthesis is not None and tuple(codec.synthesis.shape) != (heads, dim, dim):
+        problems.append(f"synthesis {tuple(codec.synthesis.shape)} != {(heads, dim, dim)}")
     if tuple(codec.codebooks.shape) != expected_codebook:
         problems.append(f"codebooks {tuple(codec.codebooks.shape)} != {expected_codebook}")
     if codec.stage_groups.numel() != codec.num_stages or (codec.stage_groups.numel() and (
         int(codec.stage_groups.min()) < 0 or int(codec.stage_groups.max()) >= dim // int(config["group_dim"]))):
         problems.append("stage_groups out of range")
-    if not all(torch.isfinite(t).all() for t in (codec.mean, codec.basis, codec.codebooks)):
+    checked = (codec.mean, codec.basis, codec.codebooks) + (() if codec.synthesis is None else (codec.synthesis,))
+    if not all(torch.isfinite(t).all() for t in checked):
         problems.append("non-finite values")
     if problems:
         raise CodebookFileError(f"{path} holds inconsistent codebooks ({'; '.join(problems)}); re-run calibrate.")

@@ -2,7 +2,8 @@
 
 A head vector ``x`` (``[d]``) is coded as
     s   = rms(x)                                 per-token, per-head scale, stored in fp16
-    z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled)
+    z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled),
+                                                 optionally in a metric-whitened space (see ``metric`` below)
     z is split into groups of ``group_dim`` consecutive components; the codec is an ordered list of *stages*,
     each a (group, codebook) pair: stage m codes the running residual of its group with one ``codebook_bits`` index.
 Stages are allocated greedily across groups by the weighted error they remove on calibration data (reverse
@@ -30,11 +31,12 @@ class TransformResidualVQ:
     """One fitted codec for one layer's keys or values. Tensors are float32 on the codec's device."""
 
     mean: torch.Tensor  # [H, D]
-    basis: torch.Tensor  # [H, D, D], orthogonal; columns are components in coding order
+    basis: torch.Tensor  # [H, D, D] analysis transform; columns are components in coding order
     stage_groups: torch.Tensor  # [S] int64, group index of each stage
     codebooks: torch.Tensor  # [S, K, group_dim]
     group_dim: int
     stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
+    synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
 
     @property
@@ -65,13 +67,15 @@ class TransformResidualVQ:
         if not 0 <= num_stages <= self.num_stages:
             raise ValueError(f"num_stages must be in [0, {self.num_stages}], got {num_stages}.")
         return TransformResidualVQ(
-            self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats
+            self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats,
+            self.synthesis,
         )
 
     def to(self, device=None, dtype=None) -> "TransformResidualVQ":
         move = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None)  # noqa: E731
         return TransformResidualVQ(
-            move(self.mean), move(self.basis), self.stage_groups.to(device), move(self.codebooks), self.group_dim, self.stats
+            move(self.mean), move(self.basis), self.stage_groups.to(device), move(self.codebooks), self.group_dim, self.stats,
+            None if self.synthesis is None else move(self.synthesis),
         )
 
     # ---- coding ---------------------------------------------------------------------------------------------
@@ -129,7 +133,8 @@ class TransformResidualVQ:
         return torch.einsum("hnd,hde->hne", x / scales.clamp_min(_EPS)[..., None] - self.mean[:, None, :], self.basis)
 
     def _synthesize(self, z, scales):
-        return torch.baddbmm(self.mean[:, None, :], z, self.basis.transpose(1, 2)).mul_(scales[..., None])
+        synthesis = self.basis.transpose(1, 2) if self.synthesis is None else self.synthesis
+        return torch.baddbmm(self.mean[:, None, :], z, synthesis).mul_(scales[..., None])
 
     def _check_input(self, x):
         if x.ndim != 3 or x.shape[0] != self.num_heads or x.shape[2] != self.head_dim:
@@ -140,12 +145,15 @@ class TransformResidualVQ:
 
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {
+        tensors = {
             f"{prefix}.mean": self.mean.contiguous(),
             f"{prefix}.basis": self.basis.contiguous(),
             f"{prefix}.stage_groups": self.stage_groups.contiguous(),
             f"{prefix}.codebooks": self.codebooks.contiguous(),
         }
+        if self.synthesis is not None:
+            tensors[f"{prefix}.synthesis"] = self.synthesis.contiguous()
+        return tensors
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, stats=None):
@@ -156,6 +164,7 @@ class TransformResidualVQ:
             tensors[f"{prefix}.codebooks"].float(),
             group_dim,
             stats or {},
+            tensors[f"{prefix}.synthesis"].float() if f"{prefix}.synthesis" in tensors else None,
         )
 
 
@@ -172,6 +181,7 @@ def fit_transform_residual_vq(
     learner: str = "gskm",
     weighted: bool = True,
     transform: str = "pca",
+    metric: torch.Tensor | None = None,
     n_iter: int = 15,
     fit_rows: int = 16384,
     seed: int = 0,
@@ -182,6 +192,10 @@ def fit_transform_residual_vq(
     ``weighted`` uses the squared per-token scale as sample weight (the "weighted GSKM": the objective becomes the
     error in the original KV space). ``transform`` is ``"pca"`` (per-head KLT of the normalized vectors) or
     ``"none"``. Stage allocation across groups is greedy on the weighted error removed.
+
+    ``metric`` (``[H, D, D]``, symmetric positive semi-definite) makes every error ``e`` count as ``e^T M e`` instead
+    of ``|e|^2``: the vectors are whitened by ``M^(1/2)`` before the PCA, so fitting and stage allocation spend bits
+    where the model is sensitive (e.g. ``W_o^T W_o`` for values: the error after the output projection).
     """
     if samples.ndim != 3:
         raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
@@ -193,26 +207,32 @@ def fit_transform_residual_vq(
     x = samples.float()
     scales = _rms(x)
     normalized = x / scales[..., None]
+    root, inverse_root = _metric_roots(metric, num_heads, head_dim)
     if transform == "pca":
         mean = normalized.mean(dim=1)
-        centered = normalized - mean[:, None, :]
+        whitened = torch.bmm(normalized - mean[:, None, :], root)
         weights_for_cov = (scales**2 if weighted else torch.ones_like(scales))[..., None]
-        covariance = torch.einsum("hnd,hne->hde", centered * weights_for_cov, centered) / weights_for_cov.sum(dim=1)[..., None]
+        covariance = torch.einsum("hnd,hne->hde", whitened * weights_for_cov, whitened) / weights_for_cov.sum(dim=1)[..., None]
         eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
-        basis = eigenvectors.flip(-1)  # descending variance: strong components first, so groups share a scale
+        components = eigenvectors.flip(-1)  # descending variance: strong components first, so groups share a scale
     elif transform == "none":
         mean = torch.zeros(num_heads, head_dim)
-        basis = torch.eye(head_dim).expand(num_heads, head_dim, head_dim).clone()
+        components = torch.eye(head_dim).expand(num_heads, head_dim, head_dim).clone()
     else:
         raise ValueError(f"transform must be 'pca' or 'none', got {transform!r}.")
+    basis = torch.bmm(root, components)
+    synthesis = None if metric is None else torch.bmm(components.transpose(1, 2), inverse_root)
 
-    codec = TransformResidualVQ(mean, basis, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2**codebook_bits, group_dim), group_dim)
+    codec = TransformResidualVQ(
+        mean, basis, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2**codebook_bits, group_dim), group_dim,
+        synthesis=synthesis,
+    )
     groups = head_dim // group_dim
     weights = (scales**2 if weighted else torch.ones_like(scales)).reshape(-1)  # [H*N]
     residual = codec._analyze(x, scales).reshape(num_heads * n, groups, group_dim)
     # Error is always measured in the original space (s^2-weighted), whatever the learner was trained on.
     error_weights = (scales**2).reshape(-1)
-    signal_energy = float((x**2).sum())
+    signal_energy = float((scales[..., None] ** 2 * torch.bmm(normalized, root) ** 2).sum())  # in the metric
     generator = torch.Generator().manual_seed(seed)
     fit_index = torch.randperm(num_heads * n, generator=generator)[: min(fit_rows, num_heads * n)]
 
@@ -244,8 +264,26 @@ def fit_transform_residual_vq(
     bar.close()
     codec.stage_groups = torch.tensor(stage_groups, dtype=torch.long)
     codec.codebooks = torch.stack(codebooks) if codebooks else codec.codebooks
-    codec.stats = {"stages": stage_stats, "learner": learner, "weighted": weighted, "transform": transform}
+    codec.stats = {"stages": stage_stats, "learner": learner, "weighted": weighted, "transform": transform,
+                   "metric": metric is not None}
     return codec
+
+
+def _metric_roots(metric, num_heads: int, head_dim: int):
+    """``M^(1/2)`` and ``M^(-1/2)`` per head (identity without a metric), normalized to unit mean eigenvalue."""
+    if metric is None:
+        identity = torch.eye(head_dim).expand(num_heads, head_dim, head_dim).clone()
+        return identity, identity
+    if metric.shape != (num_heads, head_dim, head_dim):
+        raise ValueError(f"metric must be [{num_heads}, {head_dim}, {head_dim}], got {tuple(metric.shape)}.")
+    symmetric = 0.5 * (metric.double() + metric.double().transpose(1, 2))
+    eigenvalues, eigenvectors = torch.linalg.eigh(symmetric)
+    eigenvalues = eigenvalues / eigenvalues.mean(dim=-1, keepdim=True).clamp_min(1e-30)
+    # A floor keeps the inverse bounded: directions the metric ignores still get (cheaply) reconstructed.
+    eigenvalues = eigenvalues.clamp_min(1e-4)
+    root = eigenvectors @ torch.diag_embed(eigenvalues.sqrt()) @ eigenvectors.transpose(1, 2)
+    inverse_root = eigenvectors @ torch.diag_embed(eigenvalues.rsqrt()) @ eigenvectors.transpose(1, 2)
+    return root.float(), inverse_root.float()
 
 
 def relative_mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
