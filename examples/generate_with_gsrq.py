@@ -16,7 +16,7 @@ parser.add_argument("--bits", type=float, default=2.0)
 args = parser.parse_args()
 
 loaded = load_model(args.model)
-_, codebook_dir, _ = ensure_codebooks(loaded, learner="gskm", bits=args.bits)  # calibrates on first use, then reuses
+_, codebook_dir, _ = ensure_codebooks(loaded, bits=args.bits)  # calibrates on first use, then reuses
 
 messages = [{"role": "user", "content": "Give three tips for writing readable Python."}]
 inputs = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)

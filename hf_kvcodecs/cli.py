@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
 
 
@@ -92,7 +93,7 @@ def cmd_demo(args) -> int:
     loaded = _load(args)
     model, tokenizer = loaded.model, loaded.tokenizer
     print(f"model: {loaded.description}")
-    codebooks, directory, reused = ensure_codebooks(loaded, learner="gskm", bits=max(args.bits))
+    codebooks, directory, reused = ensure_codebooks(loaded, learner=DEFAULT_LEARNER, bits=max(args.bits))
     print(f"codebooks: {directory} ({'reused' if reused else 'calibrated now'}; calibration took "
           f"{codebooks.calibration['seconds_total']:.0f}s on {codebooks.calibration['text']['description']})")
 
@@ -156,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(calibrate)
     calibrate.add_argument("--out", required=True, type=Path)
     calibrate.add_argument("--bits", type=float, default=2.0, help="highest bits/element (incl. fp16 scale) to serve")
-    calibrate.add_argument("--learner", default="gskm", choices=["gskm", "l2", "gskm-cosine", "gskm-principal"])
+    calibrate.add_argument("--learner", default=DEFAULT_LEARNER, choices=sorted(CODEBOOK_LEARNERS))
     calibrate.add_argument("--unweighted", action="store_true", help="do not weight samples by their squared scale")
     calibrate.add_argument("--transform", default="pca", choices=["pca", "none"])
     calibrate.add_argument("--metric", default="none", choices=["none", "attention"],

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 from ..cache import GSRQCache
+from ..codecs.kmeans import DEFAULT_LEARNER
 from ..calibration.store import ensure_codebooks
 from ..models import LoadedModel
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -15,7 +16,7 @@ from .report import write_reports
 logger = logging.getLogger(__name__)
 
 GSRQ_RATES = (1.0, 2.0)  # bits per KV element, fp16 scales included
-GSRQ_LEARNERS = {"gskm": "gsrq", "l2": "l2-rvq"}  # learner -> family label in reports
+GSRQ_LEARNERS = {DEFAULT_LEARNER: "gsrq", "l2": "l2-rvq"}  # learner -> family label in reports
 
 # Full-run and quick-run measurement settings (quick: a smoke test of the whole pipeline in a few minutes).
 FULL = dict(context_len=1024, continuation_len=64, n_windows=4, greedy_prompts=2, greedy_tokens=32, passkey_trials=2,
@@ -37,7 +38,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
         for bits in rates:
             cache_settings = dict(codebooks=codebooks, bits=bits, window_length=window_length,
                                   flush_interval=flush_interval, num_sink_tokens=num_sink_tokens)
-            label = "GSRQ (GSKM codebooks)" if learner == "gskm" else "residual VQ (l2 k-means codebooks)"
+            label = f"GSRQ ({learner} codebooks)" if learner.startswith("gskm") else "same codec, l2 k-means codebooks"
             methods.append(CacheMethod(
                 name=f"{label} {bits:g}-bit",
                 make_cache=lambda model, s=cache_settings: GSRQCache(model.config, **s),

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
 from ..codecs.gsrq_codebooks import GSRQCodebooks
+from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
@@ -31,7 +32,7 @@ def calibrate_gsrq(
     *,
     text=None,
     bits: float = 2.0,
-    learner: str = "gskm",
+    learner: str = DEFAULT_LEARNER,
     weighted: bool = True,
     transform: str = "pca",
     metric: str = "none",
@@ -74,7 +75,7 @@ def fit_gsrq_codebooks(
     *,
     text_info: dict,
     bits: float = 2.0,
-    learner: str = "gskm",
+    learner: str = DEFAULT_LEARNER,
     weighted: bool = True,
     transform: str = "pca",
     metric: str = "none",

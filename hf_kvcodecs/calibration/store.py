@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from ..codecs.gsrq_codebooks import CodebookFileError, GSRQCodebooks
+from ..codecs.kmeans import DEFAULT_LEARNER
 from ..models import LoadedModel, model_fingerprint
 from .gsrq import calibrate_gsrq
 
@@ -28,7 +29,7 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text, **settings}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
-    directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', 'gskm')}-{digest}"
+    directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"
     if directory.is_dir():
         try:
             return GSRQCodebooks.load(directory), directory, True
