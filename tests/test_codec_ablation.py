@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_kvcodecs.bench.codec_ablation import ablation_markdown, run_codec_ablation, stages_for_rate, vector_metrics
+from hf_kvcodecs.bench.codec_ablation import ablation_markdown, run_codec_ablation, vector_metrics
+from hf_kvcodecs.codecs.residual import stages_for_rate
 from hf_kvcodecs.codecs.kmeans import CODEBOOK_LEARNERS
 
 VOCAB, HEAD_DIM, KV_HEADS = 128, 32, 2

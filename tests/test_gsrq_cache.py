@@ -4,7 +4,6 @@
 outputs must be identical to DynamicCache; "coded" configurations really quantize, and are checked for invariants.
 """
 
-import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig, pipeline
 
@@ -214,3 +213,19 @@ def test_coded_cache_beam_search_and_batch_ops_keep_rows_consistent(tiny_model, 
     out = tiny_model.generate(ids, max_new_tokens=8, num_beams=2, do_sample=False, eos_token_id=None, pad_token_id=0,
                               cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **CODED})
     assert out.shape == (3, 32)
+
+
+def test_memory_held_after_prefill_is_codes_plus_exact_tokens(tiny_model, tiny_codebooks_dir):
+    """Counted from the tensors actually held (a view of the pre-flush window would keep every fp token alive)."""
+    from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
+
+    ids = _prompt(1, 200, seed=8)
+    with torch.inference_mode():
+        cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        tiny_model(ids, cache=cache)
+    shared = shared_storages(cache, GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED))
+    lengths = cache.layers[0].region_lengths()
+    stages = cache.layers[0].key_codec.num_stages
+    per_layer = 2 * 2 * (lengths["codes"] * (stages + 2) + (lengths["sinks"] + lengths["window"]) * 16 * 4)
+    expected = 2 * per_layer + 200 * 4  # two layers, plus one int32 position per token in the shared ledger
+    assert cache_bytes(cache, excluding=shared) == expected

@@ -35,7 +35,9 @@ from tqdm.auto import tqdm
 from ..cache.rope import find_rotary_parameters
 from ..calibration.collect import KVSamples, collect_kv_samples
 from ..codecs.kmeans import CODEBOOK_LEARNERS
-from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse
+from ..codecs.residual import (
+    SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse, stages_for_rate,
+)
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 
@@ -69,17 +71,6 @@ class AblationConfig:
         if self.key_space != "pre_rope":
             parts.append("post-RoPE keys")
         return "; ".join(parts)
-
-
-def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int) -> int:
-    """Residual stages that fit in ``bits_per_element`` once the fp16 scale of each head vector is paid for."""
-    index_bits = bits_per_element * head_dim - SCALE_BITS
-    if index_bits < 0:
-        raise ValueError(
-            f"{bits_per_element} bits per element is less than the fp16 scale alone costs "
-            f"({SCALE_BITS / head_dim:.3f} bits per element at head_dim {head_dim})."
-        )
-    return math.floor(index_bits / codebook_bits + 1e-9)
 
 
 def vector_metrics(x: torch.Tensor, x_hat: torch.Tensor) -> dict[str, float]:

@@ -154,7 +154,9 @@ class GSRQLayer(CacheLayerMixin):
     # ---- coding ---------------------------------------------------------------------------------------------
     def _flush(self, count: int) -> None:
         keys, values = self.window_keys[..., :count, :], self.window_values[..., :count, :]
-        self.window_keys, self.window_values = self.window_keys[..., count:, :], self.window_values[..., count:, :]
+        # Copies, not views: a view would keep the whole pre-flush window (full precision) alive.
+        self.window_keys = self.window_keys[..., count:, :].clone()
+        self.window_values = self.window_values[..., count:, :].clone()
         if self.key_space == "pre_rope":
             start = self.sink_keys.shape[-2] + self.key_codes.shape[-2]
             keys = undo_rope(keys.float(), *self._cos_sin(start, start + count), self.rope_attention_scaling)
@@ -233,8 +235,8 @@ class GSRQLayer(CacheLayerMixin):
         self.sink_keys, self.sink_values = self.sink_keys[..., :keep_sinks, :], self.sink_values[..., :keep_sinks, :]
         self.key_codes, self.value_codes = self.key_codes[..., :keep_codes, :], self.value_codes[..., :keep_codes, :]
         self.key_scales, self.value_scales = self.key_scales[..., :keep_codes], self.value_scales[..., :keep_codes]
-        self.window_keys = self.window_keys[..., :keep_window, :]
-        self.window_values = self.window_values[..., :keep_window, :]
+        self.window_keys = self.window_keys[..., :keep_window, :].clone()  # release the cropped tokens' memory
+        self.window_values = self.window_values[..., :keep_window, :].clone()
 
     def reset(self) -> None:
         self._clear()

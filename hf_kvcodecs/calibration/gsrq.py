@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from tqdm.auto import tqdm
 from ..cache.rope import find_rotary_parameters
 from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
-from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse
+from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, stages_for_rate, gaussian_rate_distortion_reference, relative_mse
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
 from .collect import collect_kv_samples
@@ -22,51 +21,17 @@ from .metrics import attention_projections, key_metric, value_metric
 logger = logging.getLogger(__name__)
 
 
-def stages_needed(bits: float, head_dim: int, codebook_bits: int) -> int:
-    return max(1, math.floor((bits * head_dim - SCALE_BITS) / codebook_bits + 1e-9))
+def calibrate_gsrq(model, tokenizer, *, text=None, **settings) -> GSRQCodebooks:
+    """Calibrate GSRQ codebooks for ``model`` on real text and optionally save them (``out=DIR``).
 
-
-def calibrate_gsrq(
-    model,
-    tokenizer,
-    *,
-    text=None,
-    bits: float = 2.0,
-    learner: str = DEFAULT_LEARNER,
-    weighted: bool = True,
-    transform: str = "pca",
-    metric: str = "none",
-    key_space: str = "pre_rope",
-    group_dim: int = 8,
-    codebook_bits: int = 8,
-    window_tokens: int = 512,
-    sampled_tokens_per_window: int = 256,
-    num_windows: int = 32,
-    holdout_windows: int = 4,
-    n_iter: int = 12,
-    fit_rows: int = 8192,
-    seed: int = 0,
-    out: str | Path | None = None,
-    progress: bool = True,
-) -> GSRQCodebooks:
-    """Calibrate GSRQ codebooks for ``model`` and optionally save them to ``out``.
-
-    ``bits`` is the highest rate (bits per KV element, fp16 scale included) the codebooks must serve; every lower rate
-    is a prefix of the same stages. ``text`` is a corpus name, file list or ``datasets:`` spec (default: CPython's
-    reference manual topics). Held-out windows (after the calibration windows) measure the relative MSE per layer.
+    ``text`` is a corpus name, a list of files or a ``datasets:`` spec (default: CPython's reference manual topics).
+    ``settings`` are those of :func:`fit_gsrq_codebooks`: ``bits`` is the highest rate (bits per KV element, fp16
+    scale included) the codebooks must serve, and every lower rate is a prefix of the same stages.
     """
-    if key_space not in ("pre_rope", "post_rope"):
-        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
     started = time.perf_counter()
     corpus = load_corpus(text, default=CALIBRATION_DEFAULT)
     token_ids = tokenize_corpus(tokenizer, corpus)
-    return fit_gsrq_codebooks(
-        model, token_ids, text_info=corpus.to_dict(), bits=bits, learner=learner, weighted=weighted,
-        transform=transform, metric=metric, key_space=key_space, group_dim=group_dim, codebook_bits=codebook_bits,
-        window_tokens=window_tokens, sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows,
-        holdout_windows=holdout_windows, n_iter=n_iter, fit_rows=fit_rows, seed=seed, out=out, progress=progress,
-        started=started,
-    )
+    return fit_gsrq_codebooks(model, token_ids, text_info=corpus.to_dict(), started=started, **settings)
 
 
 def fit_gsrq_codebooks(
@@ -93,13 +58,18 @@ def fit_gsrq_codebooks(
     progress: bool = True,
     started: float | None = None,
 ) -> GSRQCodebooks:
-    """:func:`calibrate_gsrq` on already tokenized text (``token_ids``: 1-D LongTensor; ``text_info`` describes it)."""
+    """Fit GSRQ codebooks on already tokenized text (``token_ids``: 1-D LongTensor; ``text_info`` describes it).
+
+    Held-out windows (after the calibration windows) measure the relative MSE per layer next to the Gaussian
+    rate-distortion reference. ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` choose the
+    codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are).
+    """
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
-    max_stages = stages_needed(bits, head_dim, codebook_bits)
+    max_stages = max(1, stages_for_rate(bits, head_dim, codebook_bits))
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
     if token_ids.numel() < needed:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .residual import SCALE_BITS, TransformResidualVQ
+from .residual import SCALE_BITS, TransformResidualVQ, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 FORMAT_VERSION = 1
@@ -63,11 +62,11 @@ class GSRQCodebooks:
     def stages_for_bits(self, bits: float) -> int:
         """Number of stages whose indices plus the fp16 scale fit in ``bits`` per element."""
         codebook_bits = int(self.config["codebook_bits"])
-        stages = math.floor((bits * self.head_dim - SCALE_BITS) / codebook_bits + 1e-9)
-        available = min(c.num_stages for c in self.key_codecs + self.value_codecs)
-        if stages < 1:
-            lowest = (SCALE_BITS + codebook_bits) / self.head_dim
+        lowest = (SCALE_BITS + codebook_bits) / self.head_dim
+        if bits < lowest - 1e-9:
             raise ValueError(f"bits={bits} is below the lowest rate these codebooks offer ({lowest:.3f} bits/element).")
+        stages = stages_for_rate(bits, self.head_dim, codebook_bits)
+        available = min(c.num_stages for c in self.key_codecs + self.value_codecs)
         if stages > available:
             raise ValueError(
                 f"bits={bits} needs {stages} residual stages but these codebooks were calibrated with {available} "

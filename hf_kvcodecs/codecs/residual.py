@@ -38,6 +38,7 @@ class TransformResidualVQ:
     stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
     synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
+    _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_heads(self) -> int:
@@ -66,10 +67,12 @@ class TransformResidualVQ:
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
         if not 0 <= num_stages <= self.num_stages:
             raise ValueError(f"num_stages must be in [0, {self.num_stages}], got {num_stages}.")
-        return TransformResidualVQ(
+        prefix = TransformResidualVQ(
             self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats,
             self.synthesis,
         )
+        prefix._table_source = self._table_source or self  # lower rates read a prefix of the same decode table
+        return prefix
 
     def to(self, device=None, dtype=None) -> "TransformResidualVQ":
         move = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None)  # noqa: E731
@@ -115,6 +118,10 @@ class TransformResidualVQ:
 
         Built once per codec and shared by every cache that uses it (a per-model table, not per-token state).
         """
+        if self._table_source is not None:
+            table, offsets = self._table_source._decode_table()
+            size = self.codebooks.shape[1]
+            return table[: self.num_stages * size], offsets[: self.num_stages]
         if self._table is None or self._table[0].device != self.codebooks.device:
             stages, size, _ = self.codebooks.shape
             table = torch.zeros(stages, size, self.head_dim, dtype=self.codebooks.dtype, device=self.codebooks.device)
@@ -284,6 +291,17 @@ def _metric_roots(metric, num_heads: int, head_dim: int):
     root = eigenvectors @ torch.diag_embed(eigenvalues.sqrt()) @ eigenvectors.transpose(1, 2)
     inverse_root = eigenvectors @ torch.diag_embed(eigenvalues.rsqrt()) @ eigenvectors.transpose(1, 2)
     return root.float(), inverse_root.float()
+
+
+def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int) -> int:
+    """Residual stages that fit in ``bits_per_element`` once the fp16 scale of each head vector is paid for."""
+    index_bits = bits_per_element * head_dim - SCALE_BITS
+    if index_bits < 0:
+        raise ValueError(
+            f"{bits_per_element} bits per element is less than the fp16 scale alone costs "
+            f"({SCALE_BITS / head_dim:.3f} bits per element at head_dim {head_dim})."
+        )
+    return math.floor(index_bits / codebook_bits + 1e-9)
 
 
 def relative_mse(x: torch.Tensor, x_hat: torch.Tensor) -> float:
