@@ -66,6 +66,20 @@ def cmd_bench_kv(args) -> int:
     return 0
 
 
+def cmd_bench_memory(args) -> int:
+    from .bench.kv import measure_memory, memory_markdown
+
+    loaded = _load(args)
+    results = measure_memory(loaded, contexts=tuple(args.contexts), decode_steps=args.decode_steps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps(results, indent=2))
+    markdown = memory_markdown(results)
+    (out / "memory.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
 def cmd_bench_codec(args) -> int:
     from .bench.codec_ablation import ablation_markdown, run_codec_ablation
 
@@ -179,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--codebook-store", type=Path, default=None, help="where calibrated codebooks are kept and reused")
     kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
     kv.set_defaults(func=cmd_bench_kv)
+    memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
+    _add_model_arguments(memory)
+    memory.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    memory.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    memory.add_argument("--decode-steps", type=int, default=64)
+    memory.set_defaults(func=cmd_bench_memory)
     codec = bench.add_parser("codec", help="ablation of codebook learners and codec layouts (relative MSE)")
     _add_model_arguments(codec)
     codec.add_argument("--out", type=Path, default=Path("benchmarks/results"))

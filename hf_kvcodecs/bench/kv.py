@@ -70,3 +70,55 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     results["command"] = "hf-kvcodecs bench kv" + (" --quick" if quick else "") + f" --model {loaded.name}"
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
+
+
+def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,
+                   progress: bool = True) -> dict:
+    """Bits per K/V element held by each cache after prefilling ``context`` tokens of real text and after
+    ``decode_steps`` more, counted from the tensors the cache holds (codebook tables shared per model reported apart).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..models import model_fingerprint
+    from .memory import cache_bytes, shared_storages
+
+    corpus = load_corpus(text, default=EVALUATION_DEFAULT)
+    token_ids = tokenize_corpus(loaded.tokenizer, corpus)
+    shape = model_fingerprint(loaded.model.config)
+    elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+    methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name]
+    methods += gsrq_methods(loaded, text=None, store=store, progress=progress, learners=(DEFAULT_LEARNER,))
+    rows = []
+    for method in tqdm(methods, desc="memory", disable=not progress):
+        row = {"method": method.name}
+        for context in contexts:
+            context = context - context % max(method.prefill_multiple, 1)
+            cache = method.make_cache(loaded.model)
+            with torch.inference_mode():
+                loaded.model(token_ids[None, :context], cache=cache)
+                # After a prefill, so that lazily built per-model tables exist and are recognised as shared.
+                shared = shared_storages(cache, method.make_cache(loaded.model))
+                row["shared_mib"] = sum(shared.values()) / 2**20
+                row[f"bits_after_prefill@{context}"] = 8 * cache_bytes(cache, excluding=shared) / (context * elements_per_token)
+                for step in range(decode_steps):
+                    loaded.model(token_ids[None, context + step : context + step + 1], cache=cache)
+            held = context + decode_steps
+            row[f"bits_after_decode@{context}"] = 8 * cache_bytes(cache, excluding=shared) / (held * elements_per_token)
+        rows.append(row)
+    return {"model": loaded.description, "text": corpus.description, "decode_steps": decode_steps, "rows": rows}
+
+
+def memory_markdown(results: dict) -> str:
+    keys = [k for k in results["rows"][0] if k.startswith("bits_")]  # insertion order: by context, prefill first
+    lines = [
+        f"Bits per K/V element held (model: {results['model']}; text: {results['text']}; "
+        f"after prefill and after {results['decode_steps']} decode steps; 16-bit cache = 16.00)",
+        "",
+        "| method | " + " | ".join(keys) + " | ratio to 16-bit (last column) | shared MiB |",
+        "|---|" + "---|" * (len(keys) + 2),
+    ]
+    for row in results["rows"]:
+        cells = [f"{row[k]:.2f}" for k in keys]
+        lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {16 / row[keys[-1]]:.1f}x | {row['shared_mib']:.1f} |")
+    return "\n".join(lines) + "\n"
