@@ -66,17 +66,18 @@ def cmd_bench_kv(args) -> int:
     return 0
 
 
+def _write_results(out: Path, stem: str, results: dict, markdown: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)
+
+
 def cmd_bench_memory(args) -> int:
     from .bench.kv import measure_memory, memory_markdown
 
-    loaded = _load(args)
-    results = measure_memory(loaded, contexts=tuple(args.contexts), decode_steps=args.decode_steps)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "memory.json").write_text(json.dumps(results, indent=2))
-    markdown = memory_markdown(results)
-    (out / "memory.md").write_text(markdown)
-    print(markdown)
+    results = measure_memory(_load(args), contexts=tuple(args.contexts), decode_steps=args.decode_steps)
+    _write_results(Path(args.out), "memory", results, memory_markdown(results))
     return 0
 
 
@@ -84,13 +85,9 @@ def cmd_bench_codec(args) -> int:
     from .bench.codec_ablation import ablation_markdown, run_codec_ablation
 
     loaded = _load(args)
-    results = run_codec_ablation(loaded.model, loaded.tokenizer)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "codec_ablation.json").write_text(json.dumps(results, indent=2))
-    markdown = ablation_markdown(results)
-    (out / "codec_ablation.md").write_text(markdown)
-    print(markdown)
+    results = run_codec_ablation(loaded.model, loaded.tokenizer, layers=tuple(args.layers), seeds=tuple(args.seeds))
+    results["model"]["description"] = loaded.description
+    _write_results(Path(args.out), "codec_ablation", results, ablation_markdown(results))
     return 0
 
 
@@ -202,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     codec = bench.add_parser("codec", help="ablation of codebook learners and codec layouts (relative MSE)")
     _add_model_arguments(codec)
     codec.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    codec.add_argument("--layers", type=int, nargs="+", default=[0, 11, 23, 29], help="layers to fit and measure")
+    codec.add_argument("--seeds", type=int, nargs="+", default=[0])
     codec.set_defaults(func=cmd_bench_codec)
     return parser
 
