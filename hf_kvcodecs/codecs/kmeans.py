@@ -105,15 +105,15 @@ def fit_codebook(
     seed_space = directions if spec.spherical_init else x
     k_init = min(codebook_size, n)
     init = _kmeans_plus_plus(seed_space[seed_rows.to(x.device)].cpu(), k_init, generator).to(x.device)
-    if k_init < codebook_size:  # fewer samples than codewords: duplicate (harmless, never selected twice usefully)
+    if k_init < codebook_size:  # fewer samples than codewords: repeat seeds (duplicates end up as empty clusters)
         init = init[torch.arange(codebook_size) % k_init]
 
     if spec.kind == "l2":
         codebook = init.clone()
     elif spec.kind == "gskm":
         shapes = init / init.norm(dim=1, keepdim=True).clamp_min(_EPS)
+        # Every codeword starts at the mean sample norm; the first M-step replaces it with its least-squares gain.
         gains = torch.full((codebook_size,), float((w * norms).sum() / w.sum().clamp_min(_EPS)), device=x.device)
-        # One LS pass so the first assignment sees sensible gains rather than one global scalar.
         codebook = gains[:, None] * shapes
     else:
         raise ValueError(f"Unknown learner kind {spec.kind!r}; choose one of {sorted(CODEBOOK_LEARNERS)}.")
