@@ -121,7 +121,8 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (ppl_axis, kl_axis) = plt.subplots(1, 2, figsize=(13, 5.5))
+    figure, (ppl_axis, kl_axis) = plt.subplots(1, 2, figsize=(13, 6.5))
+    colors = plt.get_cmap("tab20").colors
     for index, entry in enumerate(results["methods"]):
         perplexity = entry.get("perplexity")
         if perplexity is None:
@@ -141,10 +142,10 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
             (ppl_axis, perplexity["delta_ppl_pct"], None if se is None else [se]),
             (kl_axis, perplexity["kl_mean"], None),
         ):
-            axis.errorbar([prefill_bits], [value], xerr=growth, yerr=error, fmt="o", capsize=3)
-            # Staggered so that methods at the same point (e.g. two full-precision caches) stay legible.
-            label_offset = (5, 5 - 10 * (index % 3))
-            axis.annotate(label, (prefill_bits, value), textcoords="offset points", xytext=label_offset, fontsize=8)
+            # A legend (same colour in both panels) instead of text labels: methods at nearly the same point
+            # would otherwise get overlapping, ambiguous labels.
+            axis.errorbar([prefill_bits], [value], xerr=growth, yerr=error, fmt="o", capsize=3,
+                          color=colors[index % len(colors)], label=label if axis is ppl_axis else None)
 
     ppl_axis.set_ylabel("Δ perplexity vs reference (%)")
     kl_axis.set_ylabel("KL(reference ‖ method), nats per token")
@@ -161,6 +162,7 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
         f"{settings['continuation_len']} decoded) tokens of {results['evaluation_text']['description']}"
     )
     figure.suptitle(textwrap.fill(title, width=160), fontsize=9)
-    figure.tight_layout()
+    figure.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.16, 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)
