@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from ..cache import GSRQCache
@@ -12,8 +11,6 @@ from ..models import LoadedModel
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .harness import CacheMethod, evaluate_methods, shipped_baselines
 from .report import write_reports
-
-logger = logging.getLogger(__name__)
 
 GSRQ_RATES = (1.0, 2.0)  # bits per KV element, fp16 scales included
 GSRQ_LEARNERS = {DEFAULT_LEARNER: "gsrq", "l2": "l2-rvq"}  # learner -> family label in reports

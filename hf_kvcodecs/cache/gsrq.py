@@ -11,7 +11,6 @@ re-applies it after decoding. Positions are recorded once per cache (not per lay
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -20,8 +19,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.residual import TransformResidualVQ
 from .rope import apply_rope, rotary_cos_sin, undo_rope
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BITS = 2.0
 DEFAULT_WINDOW_LENGTH = 32
