@@ -11,6 +11,7 @@ re-applies it after decoding. Positions are recorded once per cache (not per lay
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,15 +19,20 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.residual import TransformResidualVQ
+from ..integrations.attention import CODE_LAYER_ATTRIBUTE, is_code_attention
 from .rope import apply_rope, rotary_cos_sin, undo_rope
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BITS = 2.0
 DEFAULT_WINDOW_LENGTH = 32
 DEFAULT_FLUSH_INTERVAL = 32
 DEFAULT_NUM_SINK_TOKENS = 4
 CACHE_CONFIG_KEYS = (
-    "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "config",
+    "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "attention",
+    "config",
 )
+ATTENTION_CHOICES = ("auto", "codes", "dequantize")
 
 
 class PositionLedger:
@@ -93,7 +99,23 @@ class GSRQLayer(CacheLayerMixin):
         self.key_space = key_space
         self.rope_inv_freq, self.rope_attention_scaling = rope_inv_freq, rope_attention_scaling
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
+        self.attention_path = "dequantize"  # or "codes": set by GSRQCache
+        self.is_last_layer = False  # the last layer's attention releases the step's rotary tables (set by GSRQCache)
+        self._awaiting_attention = False
         self._clear()
+
+    def mark_attended(self) -> None:
+        """Called by the code-reading attention function when it has consumed this layer's state."""
+        self._awaiting_attention = False
+
+    def finish_attention(self) -> None:
+        """Called after this layer's code-reading attention: the last layer releases the step's rotary tables."""
+        if self.is_last_layer:
+            self.ledger.forget_angles()
+
+    def dequantized_keys_and_values(self):
+        """Every held token, decoded, in order (the dequantize path's keys and values)."""
+        return self._full_keys(), self._full_values()
 
     def _clear(self):
         self.sink_keys = self.sink_values = None
@@ -135,7 +157,29 @@ class GSRQLayer(CacheLayerMixin):
         self.window_values = torch.cat([self.window_values, value_states], dim=-2)
         if self.window_keys.shape[-2] > self.window_length + self.flush_interval:
             self._flush(self.window_keys.shape[-2] - self.window_length)
+        if self.attention_path == "codes":
+            return self._code_placeholders(key_states)
         return self._full_keys(), self._full_values()
+
+    def _code_placeholders(self, key_states):
+        """Full-length NaN views (no memory) that carry this layer to the code-reading attention function.
+
+        Any other attention function would turn them into NaNs rather than silently attend to the wrong tensors, and
+        the next update raises if the previous placeholders were not consumed by the code-reading function.
+        """
+        if self._awaiting_attention:
+            raise RuntimeError(
+                "GSRQCache is in code-reading mode (attention='codes') but the model's attention function did not read "
+                "the codes. Call `hf_kvcodecs.enable_code_attention(model)` before generating, or use "
+                "cache_config={'attention': 'auto'} (or 'dequantize')."
+            )
+        self._awaiting_attention = True
+        batch, heads, _, dim = key_states.shape
+        shape = (batch, heads, self.get_seq_length(), dim)
+        keys = torch.full((1, 1, 1, 1), float("nan"), dtype=self.dtype, device=self.device).expand(shape)
+        values = torch.full((1, 1, 1, 1), float("nan"), dtype=self.dtype, device=self.device).expand(shape)
+        setattr(keys, CODE_LAYER_ATTRIBUTE, self)
+        return keys, values
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -236,6 +280,7 @@ class GSRQLayer(CacheLayerMixin):
         self.window_values = self.window_values[..., :keep_window, :].clone()
 
     def reset(self) -> None:
+        self._awaiting_attention = False
         self._clear()
         self.is_initialized = False
 
@@ -286,14 +331,24 @@ class GSRQCache(Cache):
         window_length: recent tokens kept exact (plus up to ``flush_interval`` more between flushes).
         flush_interval: how many tokens accumulate beyond the window before they are encoded together.
         num_sink_tokens: first tokens kept exact.
+        attention: how attention reads the coded history. ``"codes"``: the code-reading attention
+            (``hf_kvcodecs::coded_attention``: Triton on CUDA, PyTorch reference on CPU), which never builds a
+            full-precision copy; needs the model on a code-reading attention implementation
+            (``hf_kvcodecs.enable_code_attention(model)``, done for you by ``generate(cache_implementation="gsrq")``).
+            ``"dequantize"``: decode the history and hand it to the model's own attention. ``"auto"`` (default):
+            ``"codes"`` when ``config`` says the model uses a code-reading attention implementation, else
+            ``"dequantize"``. The choice is in ``cache.attention_path``.
 
     Use it as ``model.generate(..., cache_implementation="gsrq", cache_config={"codebooks": DIR, "bits": 2})``
     (after ``import hf_kvcodecs``) or ``model.generate(..., cache=GSRQCache(model.config, codebooks=DIR))``.
     """
 
+    reads_codes = True  # generate(cache_implementation="gsrq") switches the model to code-reading attention
+
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
-                 flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS, **unknown):
+                 flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS,
+                 attention: str = "auto", **unknown):
         if unknown:
             raise ValueError(
                 f"Unknown GSRQCache option(s) {sorted(unknown)}; valid cache_config keys are {list(CACHE_CONFIG_KEYS)}."
@@ -309,6 +364,8 @@ class GSRQCache(Cache):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
         if flush_interval < 1:
             raise ValueError("flush_interval must be at least 1.")
+        if attention not in ATTENTION_CHOICES:
+            raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
         self.codebooks = load_codebooks(codebooks)
         if config is not None:
             self.codebooks.check_fits(config)
@@ -333,6 +390,16 @@ class GSRQCache(Cache):
             for k, v in zip(self.codebooks.codecs_at("keys", key_stages), self.codebooks.codecs_at("values", value_stages))
         ]
         super().__init__(layers=layers)
+        self.attention = attention
+        if attention == "auto":
+            implementation = None if config is None else config.get_text_config(decoder=True)._attn_implementation
+            attention = "codes" if is_code_attention(implementation) else "dequantize"
+        self.attention_path = attention
+        for layer in self.layers:
+            layer.attention_path = attention
+        if self.layers:
+            self.layers[-1].is_last_layer = True
+        logger.info("GSRQCache attention path: %s", attention)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):
@@ -343,8 +410,9 @@ class GSRQCache(Cache):
             forward_kwargs = kwargs.get("kwargs") or {}
             self.ledger.append(forward_kwargs.get("position_ids"), key_states.shape[0], key_states.shape[-2], key_states.device)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if layer_idx == len(self.layers) - 1:
-            self.ledger.forget_angles()  # transient: not held between forward passes
+        if layer_idx == len(self.layers) - 1 and self.attention_path == "dequantize":
+            self.ledger.forget_angles()  # transient: not held between forward passes (code-reading attention
+            # still needs them for this layer and releases them itself)
         return keys, values
 
     # The ledger follows every batch/rollback operation the layers get.

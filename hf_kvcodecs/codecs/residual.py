@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..kernels import residual_encode
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 
 SCALE_BITS = 16  # the per-token-per-head scale is stored as fp16
@@ -39,6 +40,8 @@ class TransformResidualVQ:
     synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
     _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
+    _operands: tuple | None = field(default=None, repr=False, compare=False)
+    _folded: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_heads(self) -> int:
@@ -87,17 +90,10 @@ class TransformResidualVQ:
         self._check_input(x)
         scales = _rms(x).to(torch.float16)
         z = self._analyze(x.float(), scales.float())
-        num_heads, n, _ = z.shape
-        codes = torch.empty(num_heads, n, self.num_stages, dtype=torch.uint8, device=x.device)
-        residual = z.reshape(num_heads, n, -1, self.group_dim)
-        for stage in range(self.num_stages):
-            group = int(self.stage_groups[stage])
-            codebook = self.codebooks[stage]
-            target = residual[:, :, group, :].reshape(-1, self.group_dim)
-            index = nearest_codeword(target, codebook)
-            residual[:, :, group, :] -= codebook[index].reshape(num_heads, n, self.group_dim)
-            codes[:, :, stage] = index.reshape(num_heads, n).to(torch.uint8)
-        return codes, scales
+        num_heads, n, dim = z.shape
+        # hf_kvcodecs::residual_encode: Triton kernel on CUDA, kernels/reference.py elsewhere
+        codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups)
+        return codes.reshape(num_heads, n, self.num_stages), scales
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` scales -> ``[H, N, D]``."""
@@ -131,6 +127,26 @@ class TransformResidualVQ:
             offsets = torch.arange(stages, device=self.codebooks.device) * size
             self._table = (table.reshape(stages * size, self.head_dim), offsets)
         return self._table
+
+    def attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean ``[H, D]``, synthesis ``[H, D, D]``, codebooks ``[S, K, g]``, stage groups ``[S]``) as the
+        ``hf_kvcodecs::coded_attention`` op takes them: a vector is ``s * (mean + z @ synthesis)``."""
+        if self._operands is None or self._operands[0].device != self.mean.device:
+            synthesis = self.basis.transpose(1, 2) if self.synthesis is None else self.synthesis
+            self._operands = (self.mean.contiguous(), synthesis.contiguous(), self.codebooks.contiguous(),
+                              self.stage_groups.contiguous())
+        return self._operands
+
+    def folded_table(self) -> torch.Tensor:
+        """``[H, S'*K, D]`` codebooks times each head's synthesis matrix (``S' >= num_stages``: shared with the
+        higher-rate codec this one is a prefix of). Built once; the CPU attention reconstructs keys from it."""
+        if self._table_source is not None:
+            return self._table_source.folded_table()
+        if self._folded is None or self._folded.device != self.codebooks.device:
+            from ..kernels.cpu import folded_key_table
+
+            self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups)
+        return self._folded
 
     def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
         codes, scales = self.encode(x)

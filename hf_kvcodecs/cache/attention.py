@@ -1,0 +1,73 @@
+"""Attention over one GSRQ layer that reads codes: the exact tokens (sinks and window) directly, the coded history
+through the ``hf_kvcodecs::coded_attention`` op (Triton on CUDA, a PyTorch implementation on CPU), joined by one
+log-sum-exp merge. Long query blocks (prefill) take the dequantize path instead: their tokens were just computed in
+full precision anyway, and code-reading pays off per decoded token.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels import coded_attention
+from ..kernels.reference import LOOKUP_MAX_ROWS, exact_attention_partial, merge_partial_attention
+
+
+def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int, device) -> torch.Tensor | None:
+    """``[B, Lq, KV]`` float mask (0 = visible, -inf = hidden) from what transformers passes to attention functions:
+    a boolean (True = visible) or additive float mask ``[B, 1, Lq, KV]``, or None (everything visible for one query;
+    causal, aligned to the last key, for several)."""
+    if attention_mask is None:
+        if query_length == 1:
+            return None
+        query_positions = torch.arange(kv_length - query_length, kv_length, device=device)[:, None]
+        hidden = torch.arange(kv_length, device=device)[None, :] > query_positions
+        return torch.zeros(query_length, kv_length, device=device).masked_fill_(hidden, -math.inf)[None].expand(batch, -1, -1)
+    mask = attention_mask
+    if mask.ndim == 4:
+        if mask.shape[1] != 1:
+            raise ValueError("GSRQ code-reading attention expects one mask for all heads (shape [B, 1, Lq, KV]).")
+        mask = mask[:, 0]
+    if mask.shape[-1] != kv_length:
+        raise ValueError(f"attention mask covers {mask.shape[-1]} keys but the GSRQ layer holds {kv_length}.")
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, device=device).masked_fill_(~mask, -math.inf)
+    return mask.float().expand(batch, query_length, kv_length)
+
+
+def uses_codes(layer, query: torch.Tensor) -> bool:
+    """Whether this call reads codes (decode-sized query blocks with a non-empty coded region)."""
+    group_count = query.shape[1] // layer.key_codec.num_heads
+    return layer.region_lengths()["codes"] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
+
+
+def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
+    """``query`` ``[B, Hq, Lq, D]`` (RoPE applied) -> output ``[B, Hq, Lq, D]`` in the query's dtype.
+
+    Only for calls where :func:`uses_codes` holds; others go through the model's own attention on
+    ``layer.dequantized_keys_and_values()``.
+    """
+    batch, _, query_length, _ = query.shape
+    sinks, codes, window = (layer.region_lengths()[name] for name in ("sinks", "codes", "window"))
+    mask = additive_mask(attention_mask, batch, query_length, sinks + codes + window, query.device)
+    exact_keys = torch.cat([layer.sink_keys, layer.window_keys], dim=-2)
+    exact_values = torch.cat([layer.sink_values, layer.window_values], dim=-2)
+    exact_mask = coded_mask = None
+    if mask is not None:
+        exact_mask = torch.cat([mask[..., :sinks], mask[..., sinks + codes:]], dim=-1)
+        coded_mask = mask[..., sinks:sinks + codes]
+    key_codec, value_codec = layer.key_codec, layer.value_codec
+    pre_rope = layer.key_space == "pre_rope"
+    on_cpu = query.device.type == "cpu"
+    rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
+    coded = coded_attention(
+        query, layer.key_codes, layer.key_scales, layer.value_codes, layer.value_scales,
+        *key_codec.attention_operands(), *value_codec.attention_operands(),
+        key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
+        layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
+        layer.rope_inv_freq.to(query.device) if pre_rope else None,
+        float(layer.rope_attention_scaling), coded_mask, float(scaling),
+    )
+    exact = exact_attention_partial(query, exact_keys, exact_values, exact_mask, scaling)
+    return merge_partial_attention([exact, coded]).to(query.dtype)

@@ -1,0 +1,81 @@
+"""Fast CPU implementation of ``hf_kvcodecs::coded_attention`` for decoding (few query rows per KV head).
+
+Same contract and math as ``coded_attention_reference``; it differs only in which PyTorch primitives do the work, to
+suit a CPU: one ``embedding_bag`` does all the table reads of a step (table lookups for keys coded after RoPE, or the
+reconstruction of keys coded before RoPE from ``key_table``, the per-head codebooks already multiplied by the synthesis
+matrix), and one ``scatter_add_`` builds the value histogram. Larger query blocks (prefill) go to the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+
+
+def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
+    """``[H, S*K, D]``: row ``s*K + k`` of head ``h`` is codeword ``k`` of stage ``s``, placed in its group, times
+    ``synthesis[h]``; a key is then ``scale * (mean + sum of S rows)``."""
+    stages, size, group_dim = codebooks.shape
+    heads, dim, _ = synthesis.shape
+    rows = synthesis.reshape(heads, dim // group_dim, group_dim, dim)[:, stage_groups.long()]  # [H, S, g, D]
+    return torch.einsum("skg,hsgd->hskd", codebooks.float(), rows.float()).reshape(heads, stages * size, dim).contiguous()
+
+
+def coded_attention_cpu(
+    query, key_codes, key_scales, value_codes, value_scales,
+    key_mean, key_synthesis, key_codebooks, key_stage_groups,
+    value_mean, value_synthesis, value_codebooks, value_stage_groups,
+    key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
+):
+    batch, query_heads, query_length, dim = query.shape
+    kv_heads, tokens, key_stages = key_codes.shape[1], key_codes.shape[2], key_codes.shape[3]
+    rows = (query_heads // kv_heads) * query_length
+    if rows > reference.LOOKUP_MAX_ROWS or tokens == 0:
+        return reference.coded_attention_reference(
+            query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
+            key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, positions, inv_freq,
+            attention_scaling, mask, scaling,
+        )
+    size = key_codebooks.shape[1]
+    q = query.float().reshape(batch, kv_heads, rows, dim)
+    key_scales = key_scales.float()
+
+    if positions is None:
+        # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
+        constant, table = reference._key_lookup_tables(q, key_mean, key_synthesis, key_codebooks, key_stage_groups)
+        table = table.transpose(-1, -2).reshape(batch * kv_heads * key_stages * size, rows)
+        index = _flat_index(key_codes, key_stages * size, size)
+        scores = F.embedding_bag(index.reshape(-1, key_stages), table, mode="sum").reshape(batch, kv_heads, tokens, rows)
+        scores = (scores + constant[:, :, None, :]) * key_scales[..., None]
+        scores = scores.transpose(-1, -2)
+    else:
+        if key_table is None:
+            key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
+        table_rows = key_table.shape[1]  # may hold more stages than these codes use (lower rates are prefixes)
+        index = (key_codes.long() + torch.arange(key_stages, device=key_codes.device) * size
+                 + (torch.arange(kv_heads, device=key_codes.device) * table_rows)[None, :, None, None])
+        keys = F.embedding_bag(index.reshape(-1, key_stages), key_table.reshape(-1, dim), mode="sum")
+        keys = keys.reshape(batch, kv_heads, tokens, dim).add_(key_mean.float()[None, :, None, :])
+        if rotary_cos is None:
+            rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
+        keys = reference._rotate(keys, rotary_cos[:, None], rotary_sin[:, None])
+        scores = (q @ keys.transpose(-1, -2)) * key_scales[:, :, None, :]  # the rotation is linear: scale afterwards
+    scores *= scaling
+    if mask is not None:
+        scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
+    lse = torch.logsumexp(scores, dim=-1)
+    probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
+                                      value_codebooks, value_stage_groups, chunk_tokens=max(tokens, 1))
+    return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _flat_index(codes: torch.Tensor, per_table: int, size: int) -> torch.Tensor:
+    """Row of each code in a table stacked as [B, Hkv, S*K]: ((b * Hkv + h) * S + s) * K + code."""
+    batch, heads, _, stages = codes.shape
+    offsets = (torch.arange(batch * heads, device=codes.device) * per_table).reshape(batch, heads, 1, 1)
+    return codes.long() + torch.arange(stages, device=codes.device) * size + offsets

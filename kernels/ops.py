@@ -1,0 +1,132 @@
+"""``torch.library`` custom ops for the GSRQ kernels.
+
+Every op has one definition and several implementations, picked by the dispatcher from the tensors' device:
+    default (any device without a kernel)  the readable PyTorch reference in ``reference.py``
+    "cpu"                                  ``cpu.py`` for attention (same math, CPU-friendly primitives), else reference
+    "cuda"                                 the Triton kernels when Triton is installed, else the reference
+    fake (Meta)                            output shapes only, for torch.compile / meta tensors
+Set ``HF_KVCODECS_KERNELS=reference`` to force the reference everywhere (e.g. to compare or debug).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+LIBRARY = "hf_kvcodecs"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and os.environ.get("HF_KVCODECS_KERNELS", "auto") != "reference"
+
+
+def backend_for(device: torch.device) -> str:
+    """Which attention implementation the ops use for tensors on ``device``: "triton", "cpu" or "reference"."""
+    kind = torch.device(device).type
+    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
+        return "reference"
+    if kind == "cuda":
+        return "triton" if triton_available() else "reference"
+    return "cpu" if kind == "cpu" else "reference"
+
+
+@torch.library.custom_op(f"{LIBRARY}::coded_attention", mutates_args=())
+def coded_attention(
+    query: Tensor,
+    key_codes: Tensor,
+    key_scales: Tensor,
+    value_codes: Tensor,
+    value_scales: Tensor,
+    key_mean: Tensor,
+    key_synthesis: Tensor,
+    key_codebooks: Tensor,
+    key_stage_groups: Tensor,
+    value_mean: Tensor,
+    value_synthesis: Tensor,
+    value_codebooks: Tensor,
+    value_stage_groups: Tensor,
+    key_table: Optional[Tensor],
+    rotary_cos: Optional[Tensor],
+    rotary_sin: Optional[Tensor],
+    positions: Optional[Tensor],
+    inv_freq: Optional[Tensor],
+    attention_scaling: float,
+    mask: Optional[Tensor],
+    scaling: float,
+) -> tuple[Tensor, Tensor]:
+    """Attention over the coded region: (output ``[B, Hq, Lq, D]`` fp32, log-sum-exp ``[B, Hq, Lq]`` fp32).
+
+    Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
+    ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
+    ``cpu.folded_key_table``) and ``rotary_cos``/``rotary_sin`` (``[B, N, D]``, scaled, for the coded tokens'
+    positions: the same for every layer of a step, so the cache computes them once).
+    """
+    return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
+                      key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,
+                      rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling)
+
+
+_PRECOMPUTED = slice(13, 16)  # key_table, rotary_cos, rotary_sin
+
+
+def _without_precomputed(args):
+    arguments = list(args)
+    del arguments[_PRECOMPUTED]
+    return arguments
+
+
+def _reference(*args):
+    return reference.coded_attention_reference(*_without_precomputed(args))
+
+
+@coded_attention.register_kernel("cpu")
+def _coded_attention_cpu(*args):
+    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
+        return _reference(*args)
+    from .cpu import coded_attention_cpu
+
+    return coded_attention_cpu(*args)
+
+
+@coded_attention.register_kernel("cuda")
+def _coded_attention_cuda(*args):
+    if not triton_available():
+        return _reference(*args)
+    from .triton_attention import coded_attention_triton
+
+    # The Triton kernel reconstructs in the transform domain (8-dim codewords, tensor-core matmul) and computes the
+    # rotation from positions in registers: on a GPU, reading precomputed tables would cost more bandwidth than codes.
+    return coded_attention_triton(*_without_precomputed(args))
+
+
+@coded_attention.register_fake
+def _coded_attention_fake(query, *args):
+    batch, heads, length, dim = query.shape
+    return (query.new_empty(batch, heads, length, dim, dtype=torch.float32),
+            query.new_empty(batch, heads, length, dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIBRARY}::residual_encode", mutates_args=())
+def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor) -> Tensor:
+    """Greedy residual-VQ codes ``[R, S]`` (uint8) of transform-domain vectors ``z`` ``[R, D]``."""
+    return reference.residual_encode_reference(z, codebooks, stage_groups)
+
+
+@residual_encode.register_kernel("cuda")
+def _residual_encode_cuda(z, codebooks, stage_groups):
+    if not triton_available():
+        return reference.residual_encode_reference(z, codebooks, stage_groups)
+    from .triton_encode import residual_encode_triton
+
+    return residual_encode_triton(z, codebooks, stage_groups)
+
+
+@residual_encode.register_fake
+def _residual_encode_fake(z, codebooks, stage_groups):
+    return z.new_empty(z.shape[0], codebooks.shape[0], dtype=torch.uint8)

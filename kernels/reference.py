@@ -1,0 +1,214 @@
+"""Readable PyTorch references for the GSRQ kernels; they are also the CPU implementation of the custom ops.
+
+Notation (shared with the Triton kernels):
+    B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv query heads per KV head (GQA), Lq queries per head,
+    M = G * Lq query rows per KV head (row ``m = g * Lq + l``), N coded tokens, D head_dim,
+    S residual stages, K codewords per stage, g group_dim (consecutive transform-domain components per stage).
+A coded head vector is ``x = s * (mean + z @ synthesis)`` where ``z`` (``[D]``, transform domain) is the sum over
+stages of the stage's codeword written into its group's ``g`` components, and ``s`` the fp16 per-vector scale.
+Keys coded before RoPE are rotated with their own position after reconstruction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DEFAULT_CHUNK_TOKENS = 1024  # coded tokens reconstructed at a time; bounds the transient full-precision memory
+# Lookup tables and value histograms cost M * S * K numbers per KV head: right for decoding (M = a few query heads),
+# wasteful for a long prefill chunk, where reconstructing a chunk of vectors and multiplying is cheaper.
+LOOKUP_MAX_ROWS = 64
+
+
+# ---- encoder -----------------------------------------------------------------------------------------------------
+def residual_encode_reference(z: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
+    """Greedy residual VQ: ``z`` ``[R, D]`` (transform domain) -> codes ``[R, S]`` uint8.
+
+    Stage ``s`` picks the codeword of ``codebooks[s]`` (``[K, g]``) nearest (l2) to the running residual of group
+    ``stage_groups[s]`` and subtracts it: argmin ``|r - c|^2`` = argmax ``r.c - |c|^2 / 2`` (ties: lowest index).
+    """
+    rows, dim = z.shape
+    stages, _, group_dim = codebooks.shape
+    residual = z.float().clone().reshape(rows, dim // group_dim, group_dim)
+    codes = torch.empty(rows, stages, dtype=torch.uint8, device=z.device)
+    for stage in range(stages):
+        group = int(stage_groups[stage])
+        codebook = codebooks[stage].float()
+        target = residual[:, group, :]
+        index = (target @ codebook.T - 0.5 * (codebook * codebook).sum(-1)[None, :]).argmax(dim=-1)
+        residual[:, group, :] = target - codebook[index]
+        codes[:, stage] = index.to(torch.uint8)
+    return codes
+
+
+# ---- decode attention over the coded region ------------------------------------------------------------------------
+def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float):
+    """cos/sin ``[B, N, D]`` for integer positions ``[B, N]`` (transformers' rotate-half convention)."""
+    freqs = positions.double()[..., None] * inv_freq.double()[None, None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * attention_scaling).float(), (angles.sin() * attention_scaling).float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin
+
+
+def _transform_domain(codes: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor, dim: int):
+    """``z`` ``[..., D]`` for codes ``[..., S]``: each stage's codeword added into its group's components."""
+    stages, _, group_dim = codebooks.shape
+    z = torch.zeros(*codes.shape[:-1], dim // group_dim, group_dim, dtype=codebooks.dtype, device=codes.device)
+    for stage in range(stages):
+        z[..., int(stage_groups[stage]), :] += codebooks[stage][codes[..., stage].long()]
+    return z.reshape(*codes.shape[:-1], dim)
+
+
+def dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups, dtype=torch.float32):
+    """Codes ``[B, H, N, S]`` + scales ``[B, H, N]`` -> vectors ``[B, H, N, D]`` (``x = s * (mean + z @ synthesis)``)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    z = _transform_domain(codes, codebooks.to(work), stage_groups, mean.shape[-1])
+    x = mean.to(work)[None, :, None, :] + torch.einsum("bhnd,hde->bhne", z, synthesis.to(work))
+    return (x * scales.to(work)[..., None]).to(dtype)
+
+
+def coded_attention_reference(
+    query: torch.Tensor,
+    key_codes: torch.Tensor,
+    key_scales: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    key_mean: torch.Tensor,
+    key_synthesis: torch.Tensor,
+    key_codebooks: torch.Tensor,
+    key_stage_groups: torch.Tensor,
+    value_mean: torch.Tensor,
+    value_synthesis: torch.Tensor,
+    value_codebooks: torch.Tensor,
+    value_stage_groups: torch.Tensor,
+    positions: torch.Tensor | None,
+    inv_freq: torch.Tensor | None,
+    attention_scaling: float,
+    mask: torch.Tensor | None,
+    scaling: float,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[B, Hq, Lq, D]`` over the coded tokens only, reading codes.
+
+    Returns the normalized output ``[B, Hq, Lq, D]`` (float32) and its log-sum-exp ``[B, Hq, Lq]`` so the caller can
+    merge it with the exact regions (sinks, window) in one softmax. ``positions`` (``[B, N]``, with ``inv_freq``) are
+    given when keys were coded before RoPE; ``mask`` is additive ``[B, Lq, N]`` (0 or -inf) or None (attend to all).
+
+    Keys coded after RoPE are scored with query-codebook lookup tables (``S`` table reads per token and query row);
+    keys coded before RoPE are reconstructed ``chunk_tokens`` at a time, rotated and dotted (their rotation depends on
+    the key's position, so no position-free table exists). Values are not reconstructed: attention probabilities
+    (times the token's scale) are accumulated per codeword into a histogram, which is multiplied by the codebooks once.
+    With more than ``LOOKUP_MAX_ROWS`` query rows per KV head (prefill) both sides reconstruct chunks instead.
+    """
+    batch, query_heads, query_length, dim = query.shape
+    kv_heads, tokens = key_codes.shape[1], key_codes.shape[2]
+    group_count = query_heads // kv_heads
+    rows = group_count * query_length
+    q = query.float().reshape(batch, kv_heads, rows, dim)
+    if tokens == 0:
+        return (torch.zeros(batch, query_heads, query_length, dim, device=query.device),
+                torch.full((batch, query_heads, query_length), -math.inf, device=query.device))
+
+    lookup = rows <= LOOKUP_MAX_ROWS
+    scores = torch.empty(batch, kv_heads, rows, tokens, device=query.device)
+    if positions is None and lookup:
+        tables = _key_lookup_tables(q, key_mean, key_synthesis, key_codebooks, key_stage_groups)
+    for start in range(0, tokens, chunk_tokens):
+        end = min(start + chunk_tokens, tokens)
+        codes, scales = key_codes[:, :, start:end], key_scales[:, :, start:end].float()
+        if positions is None and lookup:
+            scores[..., start:end] = _lookup_scores(tables, codes) * scales[:, :, None, :]
+        else:
+            keys = dequantize_reference(codes, scales, key_mean, key_synthesis, key_codebooks, key_stage_groups)
+            if positions is not None:
+                cos, sin = rotary_tables(positions[:, start:end], inv_freq, attention_scaling)
+                keys = _rotate(keys, cos[:, None], sin[:, None])
+            scores[..., start:end] = q @ keys.transpose(-1, -2)
+    scores *= scaling
+    if mask is not None:
+        scores += mask.float().repeat(1, group_count, 1)[:, None]  # row m = g * Lq + l uses mask row l
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, M]
+    probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)  # fully masked rows -> 0
+    if lookup:
+        out = _histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis, value_codebooks,
+                                value_stage_groups, chunk_tokens)
+    else:
+        out = torch.zeros(batch, kv_heads, rows, dim, device=query.device)
+        for start in range(0, tokens, chunk_tokens):
+            end = min(start + chunk_tokens, tokens)
+            values = dequantize_reference(value_codes[:, :, start:end], value_scales[:, :, start:end], value_mean,
+                                          value_synthesis, value_codebooks, value_stage_groups)
+            out += probabilities[..., start:end] @ values
+    return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _key_lookup_tables(q, mean, synthesis, codebooks, stage_groups):
+    """Per query row: the constant ``q . mean`` and the table ``[S*K]`` of ``q . (codeword placed in its group) @ synthesis``."""
+    stages, size, group_dim = codebooks.shape
+    projected = torch.einsum("bhmd,hed->bhme", q, synthesis.float())  # q @ synthesis^T: scores become z . projected
+    grouped = projected.reshape(*projected.shape[:-1], -1, group_dim)[..., stage_groups.long(), :]  # [B,Hkv,M,S,g]
+    table = torch.einsum("bhmsg,skg->bhmsk", grouped, codebooks.float()).reshape(*projected.shape[:-1], stages * size)
+    constant = torch.einsum("bhmd,hd->bhm", q, mean.float())
+    return constant, table
+
+
+def _lookup_scores(tables, codes):
+    constant, table = tables
+    batch, kv_heads, tokens, stages = codes.shape
+    size = table.shape[-1] // stages
+    flat = (codes.long() + torch.arange(stages, device=codes.device) * size).reshape(batch, kv_heads, 1, tokens * stages)
+    picked = table.gather(-1, flat.expand(-1, -1, table.shape[2], -1))
+    return picked.reshape(batch, kv_heads, -1, tokens, stages).sum(-1) + constant[..., None]
+
+
+def _histogram_values(probabilities, codes, scales, mean, synthesis, codebooks, stage_groups, chunk_tokens):
+    batch, kv_heads, rows, tokens = probabilities.shape
+    stages, size, group_dim = codebooks.shape
+    dim = mean.shape[-1]
+    weights = probabilities * scales.float()[:, :, None, :]  # p_n * s_n
+    histogram = torch.zeros(batch, kv_heads, rows, stages * size, device=probabilities.device)
+    stage_offsets = torch.arange(stages, device=codes.device) * size
+    for start in range(0, tokens, chunk_tokens):
+        end = min(start + chunk_tokens, tokens)
+        flat = (codes[:, :, start:end].long() + stage_offsets).reshape(batch, kv_heads, 1, -1)
+        source = weights[..., start:end, None].expand(-1, -1, -1, -1, stages).reshape(batch, kv_heads, rows, -1)
+        histogram.scatter_add_(-1, flat.expand(-1, -1, rows, -1), source)
+    per_stage = torch.einsum("bhmsk,skg->bhmsg", histogram.reshape(batch, kv_heads, rows, stages, size), codebooks.float())
+    z = torch.zeros(batch, kv_heads, rows, dim // group_dim, group_dim, device=probabilities.device)
+    z.index_add_(3, stage_groups.long(), per_stage)
+    z = z.reshape(batch, kv_heads, rows, dim)
+    return weights.sum(-1, keepdim=True) * mean.float()[None, :, None, :] + torch.einsum(
+        "bhmd,hde->bhme", z, synthesis.float()
+    )
+
+
+# ---- merging partial attentions -----------------------------------------------------------------------------------
+def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One softmax over several key regions: combine normalized outputs ``[..., D]`` by their log-sum-exps ``[...]``."""
+    lses = torch.stack([lse for _, lse in parts])  # [P, ...]
+    total = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - total[None]).nan_to_num_(0.0)
+    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts))
+
+
+def exact_attention_partial(query, keys, values, mask, scaling):
+    """Attention over exact keys/values ``[B, Hkv, T, D]`` -> (output ``[B, Hq, Lq, D]`` fp32, lse ``[B, Hq, Lq]``)."""
+    batch, query_heads, query_length, dim = query.shape
+    kv_heads, tokens = keys.shape[1], keys.shape[2]
+    group_count = query_heads // kv_heads
+    if tokens == 0:
+        return (torch.zeros(batch, query_heads, query_length, dim, device=query.device),
+                torch.full((batch, query_heads, query_length), -math.inf, device=query.device))
+    q = query.float().reshape(batch, kv_heads, group_count * query_length, dim)
+    scores = (q @ keys.float().transpose(-1, -2)) * scaling
+    if mask is not None:
+        scores += mask.float().repeat(1, group_count, 1)[:, None]
+    lse = torch.logsumexp(scores, dim=-1)
+    out = (torch.exp(scores - lse[..., None]).nan_to_num_(0.0)) @ values.float()
+    return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)

@@ -1,0 +1,181 @@
+"""Triton kernel: attention over GSRQ-coded keys and values without a full-precision copy of the history.
+
+Each program takes one (batch, KV head), one block of query rows (the GQA heads sharing that KV head, times the
+queries) and one split of the coded tokens. Tokens are processed ``BLOCK_N`` at a time: their codewords are gathered
+from the (L1/L2-resident) codebooks into a transform-domain tile, turned into keys and values by one small matmul with
+the per-head synthesis matrix, rotated (keys coded before RoPE), and consumed at once by an online softmax. Reconstructed
+vectors only ever live in registers. Every split writes a normalized partial output and its log-sum-exp; the host merges
+splits (and the exact sink/window regions) with one log-sum-exp merge.
+
+Reference: ``coded_attention_reference`` in ``reference.py`` (same arguments, same outputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_mask, S, K: tl.constexpr,
+                    GD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """z ``[BLOCK_N, D]``: every stage's codeword written into its group's components (codes are [tokens, S])."""
+    dims = tl.arange(0, D)
+    z = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+    for stage in range(S):
+        code = tl.load(codes_ptr + token_offsets * S + stage, mask=token_mask, other=0).to(tl.int32)
+        group = tl.load(groups_ptr + stage)
+        within = dims - group * GD
+        in_group = (within >= 0) & (within < GD)
+        pointers = codebooks_ptr + stage * K * GD + code[:, None] * GD + within[None, :]
+        z += tl.load(pointers, mask=token_mask[:, None] & in_group[None, :], other=0.0)
+    return z
+
+
+@triton.jit
+def _coded_attention_kernel(
+    q_ptr, key_codes_ptr, key_scales_ptr, value_codes_ptr, value_scales_ptr,
+    key_mean_ptr, key_synthesis_ptr, key_mean_rotated_ptr, key_synthesis_rotated_ptr, key_codebooks_ptr, key_groups_ptr,
+    value_mean_ptr, value_synthesis_ptr, value_codebooks_ptr, value_groups_ptr,
+    positions_ptr, inv_freq_ptr, mask_ptr, out_ptr, lse_ptr,
+    N, M, LQ, SK, SV, HKV, tokens_per_split, num_splits, scaling, attention_scaling,
+    K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    batch_head = tl.program_id(0)
+    split = tl.program_id(1)
+    row_block = tl.program_id(2)
+    batch = batch_head // HKV
+    head = batch_head % HKV
+
+    dims = tl.arange(0, D)
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    q = tl.load(q_ptr + (batch_head * M + rows[:, None]) * D + dims[None, :], mask=row_mask[:, None], other=0.0)
+
+    matrix = head * D * D + dims[:, None] * D + dims[None, :]
+    key_synthesis = tl.load(key_synthesis_ptr + matrix)
+    key_mean = tl.load(key_mean_ptr + head * D + dims)
+    value_synthesis = tl.load(value_synthesis_ptr + matrix)
+    value_mean = tl.load(value_mean_ptr + head * D + dims)
+    if ROPE:
+        key_synthesis_rotated = tl.load(key_synthesis_rotated_ptr + matrix)
+        key_mean_rotated = tl.load(key_mean_rotated_ptr + head * D + dims)
+        inv_freq = tl.load(inv_freq_ptr + (dims % HALF))
+
+    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    accumulator = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+
+    start = split * tokens_per_split
+    stop = tl.minimum(start + tokens_per_split, N)
+    for block_start in range(start, stop, BLOCK_N):
+        tokens = block_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < stop
+        token_offsets = batch_head * N + tokens
+
+        z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, token_offsets, token_mask, SK, K, GD, D, BLOCK_N)
+        key_scale = tl.load(key_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
+        keys = (key_mean[None, :] + tl.dot(z, key_synthesis, input_precision="ieee")) * key_scale[:, None]
+        if ROPE:
+            # rotate_half(k) = k @ P for a signed permutation P, folded into the rotated mean/synthesis on the host
+            rotated = (key_mean_rotated[None, :] + tl.dot(z, key_synthesis_rotated, input_precision="ieee")) * key_scale[:, None]
+            position = tl.load(positions_ptr + batch * N + tokens, mask=token_mask, other=0).to(tl.float32)
+            angle = position[:, None] * inv_freq[None, :]
+            keys = keys * (tl.cos(angle) * attention_scaling) + rotated * (tl.sin(angle) * attention_scaling)
+
+        scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scaling
+        if HAS_MASK:
+            mask_pointers = mask_ptr + (batch * LQ + (rows[:, None] % LQ)) * N + tokens[None, :]
+            scores += tl.load(mask_pointers, mask=row_mask[:, None] & token_mask[None, :], other=0.0)
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+
+        block_max = tl.max(scores, axis=1)
+        new_max = tl.maximum(running_max, block_max)
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # rows with nothing visible yet stay at zero
+        correction = tl.exp(running_max - safe_max)
+        probabilities = tl.exp(scores - safe_max[:, None])
+        running_sum = running_sum * correction + tl.sum(probabilities, axis=1)
+
+        zv = _transform_tile(value_codes_ptr, value_codebooks_ptr, value_groups_ptr, token_offsets, token_mask, SV, K, GD, D, BLOCK_N)
+        value_scale = tl.load(value_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
+        values = (value_mean[None, :] + tl.dot(zv, value_synthesis, input_precision="ieee")) * value_scale[:, None]
+        accumulator = accumulator * correction[:, None] + tl.dot(probabilities, values, input_precision="ieee")
+        running_max = new_max
+
+    visible = running_sum > 0
+    out = accumulator / tl.where(visible, running_sum, 1.0)[:, None]
+    lse = tl.where(visible, running_max + tl.log(tl.where(visible, running_sum, 1.0)), float("-inf"))
+    partial = (batch_head * num_splits + split) * M + rows
+    tl.store(out_ptr + partial[:, None] * D + dims[None, :], out, mask=row_mask[:, None])
+    tl.store(lse_ptr + partial, lse, mask=row_mask)
+
+
+def _rotate_half_matrix(dim: int, device) -> torch.Tensor:
+    """``P`` with ``x @ P == rotate_half(x) == cat(-x[half:], x[:half])``."""
+    half = dim // 2
+    matrix = torch.zeros(dim, dim, device=device)
+    index = torch.arange(half, device=device)
+    matrix[index + half, index] = -1.0
+    matrix[index, index + half] = 1.0
+    return matrix
+
+
+def coded_attention_triton(
+    query, key_codes, key_scales, value_codes, value_scales,
+    key_mean, key_synthesis, key_codebooks, key_stage_groups,
+    value_mean, value_synthesis, value_codebooks, value_stage_groups,
+    positions, inv_freq, attention_scaling, mask, scaling,
+    block_n: int = 32, tokens_per_split: int | None = None,
+):
+    """Same contract as ``coded_attention_reference``; launches ``_coded_attention_kernel`` then merges the splits."""
+    batch, query_heads, query_length, dim = query.shape
+    kv_heads, tokens = key_codes.shape[1], key_codes.shape[2]
+    rows = (query_heads // kv_heads) * query_length
+    device = query.device
+    if tokens == 0:
+        return (torch.zeros(batch, query_heads, query_length, dim, device=device),
+                torch.full((batch, query_heads, query_length), -math.inf, device=device))
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"the Triton GSRQ attention needs a power-of-two head_dim >= 16, got {dim}.")
+    q = query.float().reshape(batch, kv_heads, rows, dim).contiguous()
+    block_m = max(16, triton.next_power_of_2(rows)) if rows <= 64 else 64
+    if tokens_per_split is None:  # enough splits to fill the device at batch 1, each a whole number of blocks
+        tokens_per_split = max(block_n, triton.cdiv(triton.cdiv(tokens, 64), block_n) * block_n)
+    num_splits = triton.cdiv(tokens, tokens_per_split)
+    rope = positions is not None
+    key_synthesis = key_synthesis.float().contiguous()
+    if rope:
+        rotation = _rotate_half_matrix(dim, device)
+        key_synthesis_rotated = (key_synthesis @ rotation).contiguous()
+        key_mean_rotated = (key_mean.float() @ rotation).contiguous()
+        positions = positions.to(torch.int32).contiguous()
+        inv_freq = inv_freq.float().contiguous()
+    else:
+        key_synthesis_rotated, key_mean_rotated = key_synthesis, key_mean.float()
+        positions = inv_freq = torch.zeros(1, device=device)
+    mask_tensor = mask.float().contiguous() if mask is not None else torch.zeros(1, device=device)
+    out = torch.empty(batch * kv_heads * num_splits * rows, dim, device=device)
+    lse = torch.empty(batch * kv_heads * num_splits * rows, device=device)
+    grid = (batch * kv_heads, num_splits, triton.cdiv(rows, block_m))
+    _coded_attention_kernel[grid](
+        q, key_codes.contiguous(), key_scales.contiguous(), value_codes.contiguous(), value_scales.contiguous(),
+        key_mean.float().contiguous(), key_synthesis, key_mean_rotated, key_synthesis_rotated,
+        key_codebooks.float().contiguous(), key_stage_groups.to(torch.int32).contiguous(),
+        value_mean.float().contiguous(), value_synthesis.float().contiguous(), value_codebooks.float().contiguous(),
+        value_stage_groups.to(torch.int32).contiguous(),
+        positions, inv_freq, mask_tensor, out, lse,
+        tokens, rows, query_length, key_codes.shape[-1], value_codes.shape[-1], kv_heads, tokens_per_split, num_splits,
+        float(scaling), float(attention_scaling),
+        K=key_codebooks.shape[1], GD=key_codebooks.shape[2], D=dim, HALF=dim // 2,
+        BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None,
+    )
+    out = out.reshape(batch, kv_heads, num_splits, rows, dim)
+    lse = lse.reshape(batch, kv_heads, num_splits, rows)
+    total = torch.logsumexp(lse, dim=2)
+    weights = torch.exp(lse - total[:, :, None]).nan_to_num_(0.0)
+    merged = (weights[..., None] * out).sum(dim=2)
+    return merged.reshape(batch, query_heads, query_length, dim), total.reshape(batch, query_heads, query_length)
