@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from . import reference
 
+CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogram sources) whatever the context
+
 
 def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
     """``[H, S*K, D]``: row ``s*K + k`` of head ``h`` is codeword ``k`` of stage ``s``, placed in its group, times
@@ -56,21 +58,30 @@ def coded_attention_cpu(
         if key_table is None:
             key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
         table_rows = key_table.shape[1]  # may hold more stages than these codes use (lower rates are prefixes)
-        index = (key_codes.long() + torch.arange(key_stages, device=key_codes.device) * size
-                 + (torch.arange(kv_heads, device=key_codes.device) * table_rows)[None, :, None, None])
-        keys = F.embedding_bag(index.reshape(-1, key_stages), key_table.reshape(-1, dim), mode="sum")
-        keys = keys.reshape(batch, kv_heads, tokens, dim).add_(key_mean.float()[None, :, None, :])
-        if rotary_cos is None:
-            rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
-        keys = reference._rotate(keys, rotary_cos[:, None], rotary_sin[:, None])
-        scores = (q @ keys.transpose(-1, -2)) * key_scales[:, :, None, :]  # the rotation is linear: scale afterwards
+        stage_offsets = torch.arange(key_stages, device=key_codes.device) * size
+        head_offsets = (torch.arange(kv_heads, device=key_codes.device) * table_rows)[None, :, None, None]
+        flat_table = key_table.reshape(-1, dim)
+        mean = key_mean.float()[None, :, None, :]
+        scores = torch.empty(batch, kv_heads, rows, tokens, device=query.device)
+        for start in range(0, tokens, CHUNK_TOKENS):  # at most CHUNK_TOKENS keys per head exist at once
+            end = min(start + CHUNK_TOKENS, tokens)
+            index = key_codes[:, :, start:end].long() + stage_offsets + head_offsets
+            keys = F.embedding_bag(index.reshape(-1, key_stages), flat_table, mode="sum")
+            keys = keys.reshape(batch, kv_heads, end - start, dim).add_(mean)
+            if rotary_cos is None:
+                cos, sin = reference.rotary_tables(positions[:, start:end], inv_freq, attention_scaling)
+            else:
+                cos, sin = rotary_cos[:, start:end], rotary_sin[:, start:end]
+            keys = reference._rotate(keys, cos[:, None], sin[:, None])
+            # the rotation is linear, so the per-token scale can be applied to the scores afterwards
+            torch.mul(q @ keys.transpose(-1, -2), key_scales[:, :, None, start:end], out=scores[..., start:end])
     scores *= scaling
     if mask is not None:
         scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
     out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
-                                      value_codebooks, value_stage_groups, chunk_tokens=max(tokens, 1))
+                                      value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 

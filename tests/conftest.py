@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton has no CPU backend: its interpreter runs the kernels on CPU tensors. The variable is read when a kernel is
+# decorated, so it must be set before hf_kvcodecs.kernels.triton_* are imported (they are only imported lazily).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

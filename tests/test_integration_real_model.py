@@ -94,3 +94,17 @@ def test_cli_calibrate_writes_a_loadable_codebook_directory(tmp_path, capsys):
     assert summary["max_bits_per_element"] == pytest.approx(1.0)
     cache = GSRQCache(codebooks=out, bits=1.0)
     assert cache.codebooks.config["learner"] == "l2"
+
+
+def test_code_reading_attention_generates_the_same_tokens_as_dequantize(real, real_codebooks):
+    """Greedy decoding on the real model: reading codes (CPU implementation of the op) = decoding them for SDPA."""
+    ids = tokenize_corpus(real.tokenizer, load_corpus(None, default=EVALUATION_DEFAULT))[3000:3000 + 300][None]
+    outputs = {}
+    for attention in ("dequantize", "auto"):
+        out = real.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                                  cache_implementation="gsrq", return_dict_in_generate=True,
+                                  cache_config={"codebooks": str(real_codebooks), "bits": 2.0, "attention": attention})
+        outputs[out.past_key_values.attention_path] = out
+    assert set(outputs) == {"dequantize", "codes"}
+    assert outputs["codes"].past_key_values.layers[0].region_lengths()["codes"] > 200
+    assert torch.equal(outputs["codes"].sequences, outputs["dequantize"].sequences)

@@ -1,0 +1,256 @@
+"""`hf-kvcodecs bench decode`: decode speed and decode-time memory of GSRQ's code-reading attention, side by side
+with its dequantize path and the caches transformers ships, on one model in one run.
+
+Speed: after an untimed prefill of ``context`` real-text tokens, ``steps`` single-token decode steps are timed;
+the per-run median step time gives tokens/s, the reported value is the median over interleaved repeats (the method
+order rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache
+of the same run.
+
+Memory at the largest context: bytes of the tensors each cache holds (counted from the objects, per-model tables
+apart), and the transient memory a decode step needs on top: the peak of the process's resident memory during the
+timed steps minus its value just before them (freed heap returned to the OS first, so earlier peaks do not hide new
+ones). A cache that dequantizes its history every step shows that copy here.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import ctypes.util
+import gc
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..cache import GSRQCache
+from ..calibration.store import ensure_codebooks
+from ..codecs.kmeans import DEFAULT_LEARNER
+from ..integrations.attention import enable_code_attention
+from ..models import LoadedModel, model_fingerprint
+from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
+from .harness import _environment, full_precision_method, shipped_baselines
+from .memory import cache_bytes, shared_storages
+
+DECODE_CONTEXTS = (1024, 4096, 8192)
+GSRQ_BITS = 2.0
+REFERENCE = "fp32 DynamicCache"
+
+
+@dataclass
+class DecodeMethod:
+    name: str
+    family: str
+    make_cache: Callable  # model -> Cache
+    precision: str = "fp32"  # which copy of the model runs it
+    expected_path: str | None = None  # GSRQ attention path the cache must report (checked, so labels cannot lie)
+    extra: dict = field(default_factory=dict)
+    prefill_multiple: int = 1
+
+
+def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_text=None, store=None,
+                   progress: bool = True, include_post_rope: bool = True) -> list[DecodeMethod]:
+    model = loaded.model
+    methods = [DecodeMethod(REFERENCE, "full precision", full_precision_method(model).make_cache),
+               DecodeMethod("bf16 DynamicCache", "full precision", lambda m: full_precision_method(m).make_cache(m),
+                            precision="bf16")]
+    for baseline in shipped_baselines(model):
+        if baseline.skip_reason is None and "per-channel" in baseline.name:
+            methods.append(DecodeMethod(baseline.name, "transformers QuantizedCache", baseline.make_cache,
+                                        extra=baseline.extra, prefill_multiple=baseline.prefill_multiple))
+    key_spaces = ("pre_rope", "post_rope") if include_post_rope else ("pre_rope",)
+    for key_space in key_spaces:
+        settings = {"learner": DEFAULT_LEARNER, "bits": bits}
+        if key_space != "pre_rope":  # the default key space is left out of the store key so bench kv's calibration is reused
+            settings["key_space"] = key_space
+        codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress, **settings)
+        paths = ("dequantize", "codes") if key_space == "pre_rope" else ("codes",)
+        for path in paths:
+            how = {"dequantize": "dequantize + SDPA",
+                   "codes": "code-reading, " + ("keys rebuilt from codes" if key_space == "pre_rope" else "lookup tables")}[path]
+            methods.append(DecodeMethod(
+                f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}", "gsrq",
+                lambda m, c=codebooks, p=path: GSRQCache(m.config, codebooks=c, bits=bits, attention=p),
+                expected_path=path,
+                extra={"codebooks": str(directory), "key_space": key_space, "attention": path,
+                       "holdout_relative_mse": codebooks.calibration["holdout_mean"]},
+            ))
+    return methods
+
+
+def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps: int = 16, repeats: int = 2,
+                         memory_steps: int = 8, text=None, calibration_text=None, store=None,
+                         include_post_rope: bool = True, progress: bool = True) -> dict:
+    started = time.perf_counter()
+    token_ids = tokenize_corpus(loaded.tokenizer, corpus := load_corpus(text, default=EVALUATION_DEFAULT))
+    longest = max(contexts) + max(steps, memory_steps)
+    if token_ids.numel() < longest:
+        raise ValueError(f"The evaluation text has {token_ids.numel()} tokens; {longest} are needed for these contexts.")
+    methods = decode_methods(loaded, calibration_text=calibration_text, store=store, progress=progress,
+                             include_post_rope=include_post_rope)
+    models = {"fp32": loaded.model}
+    enable_code_attention(loaded.model)  # GSRQ caches choose their path; every other cache is unaffected
+    if any(m.precision == "bf16" for m in methods):
+        models["bf16"] = copy.deepcopy(loaded.model).to(torch.bfloat16)
+
+    speed = {m.name: {} for m in methods}
+    for context in contexts:
+        runs = {m.name: [] for m in methods}
+        bar = tqdm(total=repeats * len(methods), desc=f"decode @ {context}", disable=not progress)
+        for repeat in range(repeats):
+            order = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
+            for method in order:
+                cache, prompt_length = _prefilled(models[method.precision], method, token_ids, context)
+                runs[method.name].append(_timed_steps(models[method.precision], cache, token_ids, prompt_length, steps))
+                bar.update()
+        bar.close()
+        reference = statistics.median(1 / statistics.median(run) for run in runs[REFERENCE])
+        for name, method_runs in runs.items():
+            tokens_per_s = statistics.median(1 / statistics.median(run) for run in method_runs)
+            speed[name][str(context)] = {"tokens_per_s": tokens_per_s, "ratio_to_fp32": tokens_per_s / reference,
+                                         "runs_tokens_per_s": [1 / statistics.median(run) for run in method_runs]}
+
+    memory = {}
+    shape = model_fingerprint(loaded.model.config)
+    elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+    context = max(contexts)
+    for method in tqdm(methods, desc=f"decode memory @ {context}", disable=not progress):
+        model = models[method.precision]
+        cache, prompt_length = _prefilled(model, method, token_ids, context)
+        transient = _peak_transient_bytes(lambda: _timed_steps(model, cache, token_ids, prompt_length, memory_steps))
+        # A second, short cache of the same method tells per-model tables (built lazily, so only now) from state.
+        twin, _ = _prefilled(model, method, token_ids, 256)
+        shared = shared_storages(cache, twin)
+        del twin
+        held = cache_bytes(cache, excluding=shared)
+        memory[method.name] = {
+            "context": context, "transient_mib": transient / 2**20, "held_mib": held / 2**20,
+            "shared_mib": sum(shared.values()) / 2**20,
+            "bits_per_element": 8 * held / ((prompt_length + memory_steps) * elements_per_token),
+        }
+        del cache
+    rows = []
+    for method in methods:
+        rows.append({"method": method.name, "family": method.family, "precision": method.precision,
+                     "attention": method.expected_path, "speed": speed[method.name], "memory": memory[method.name],
+                     **({"settings": method.extra} if method.extra else {})})
+    return {
+        "model": loaded.description, "text": corpus.description, "contexts": list(contexts), "steps": steps,
+        "repeats": repeats, "memory_steps": memory_steps, "threads": torch.get_num_threads(), "rows": rows,
+        "environment": _environment(), "seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def _prefilled(model, method: DecodeMethod, token_ids, context: int):
+    context -= context % max(method.prefill_multiple, 1)
+    cache = method.make_cache(model)
+    if method.expected_path is not None and cache.attention_path != method.expected_path:
+        raise RuntimeError(f"{method.name}: the cache chose the {cache.attention_path} path.")
+    with torch.inference_mode():
+        model(token_ids[None, :context], cache=cache, logits_to_keep=1)
+    return cache, context
+
+
+def _timed_steps(model, cache, token_ids, start: int, steps: int) -> list[float]:
+    seconds = []
+    with torch.inference_mode():
+        for position in range(start, start + steps):
+            began = time.perf_counter()
+            model(token_ids[None, position:position + 1], cache=cache)
+            seconds.append(time.perf_counter() - began)
+    return seconds
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * _PAGE_SIZE
+
+
+_PAGE_SIZE = __import__("os").sysconf("SC_PAGE_SIZE")
+
+
+def _release_free_heap() -> None:
+    gc.collect()
+    libc_path = ctypes.util.find_library("c")
+    if libc_path:
+        trim = getattr(ctypes.CDLL(libc_path), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def _peak_transient_bytes(run: Callable) -> int:
+    """Peak resident memory while ``run()`` executes, minus the resident memory just before (sampled every 0.2 ms)."""
+    _release_free_heap()
+    baseline = peak = _resident_bytes()
+    done = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _resident_bytes())
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        run()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak, _resident_bytes()) - baseline
+
+
+def decode_markdown(results: dict) -> str:
+    contexts = results["contexts"]
+    longest = max(contexts)
+    lines = [
+        "# Decode speed and memory",
+        "",
+        f"- Model: {results['model']}",
+        f"- Text: {results['text']}",
+        f"- Speed: {results['steps']} decode steps after an untimed prefill; tokens/s = 1 / median step time; median "
+        f"of {results['repeats']} interleaved repeats; × = ratio to `{REFERENCE}` in the same run; "
+        f"{results['threads']} torch threads",
+        f"- Memory at {longest} tokens: `held` = tensors the cache holds (per-model tables in `shared`); `transient` = "
+        f"peak resident memory during {results['memory_steps']} decode steps minus resident memory before them",
+        f"- {results['environment']['date']}; torch {results['environment']['versions']['torch']}, transformers "
+        f"{results['environment']['versions']['transformers']}; {results['seconds']:.0f} s in all",
+        "",
+        "| method | " + " | ".join(f"tok/s @{c} (×)" for c in contexts)
+        + f" | bits/elt held @{longest} | held MiB | transient MiB | shared MiB |",
+        "|---|" + "---|" * (len(contexts) + 4),
+    ]
+    for row in results["rows"]:
+        cells = [f"{row['speed'][str(c)]['tokens_per_s']:.1f} ({row['speed'][str(c)]['ratio_to_fp32']:.2f}×)"
+                 for c in contexts]
+        memory = row["memory"]
+        lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {memory['bits_per_element']:.2f} | "
+                     f"{memory['held_mib']:.1f} | {memory['transient_mib']:.1f} | {memory['shared_mib']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_decode_speed(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 5))
+    for row in results["rows"]:
+        contexts = results["contexts"]
+        axis.plot(contexts, [row["speed"][str(c)]["tokens_per_s"] for c in contexts], marker="o", label=row["method"])
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(results["contexts"], [str(c) for c in results["contexts"]])
+    axis.set_xlabel("context (tokens)")
+    axis.set_ylabel("decode tokens/s (median)")
+    axis.set_title(f"Decode speed on CPU, {results['threads']} threads")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,122 @@
+"""GSRQCache's code-reading attention path against its dequantize path, under every generation path."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaForCausalLM
+
+from hf_kvcodecs import GSRQCache, enable_code_attention
+from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
+
+from .conftest import tiny_llama_config
+
+CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config()).eval()
+
+
+def _prompt(batch=2, length=60, seed=1):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, codebooks, attention, **kwargs):
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    settings.update(kwargs)
+    out = model.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True,
+                         cache_config={"codebooks": str(codebooks), "attention": attention, **CODED}, **settings)
+    return out.sequences, out.past_key_values
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampling", "beam", "prompt_lookup", "padded_batch"])
+def test_code_reading_generation_equals_dequantize_path(model, tiny_codebooks_dir, mode):
+    ids = _prompt()
+    kwargs = {}
+    if mode == "sampling":
+        kwargs = dict(do_sample=True, top_k=20)
+    elif mode == "beam":
+        kwargs = dict(num_beams=3)
+    elif mode == "prompt_lookup":
+        ids = torch.cat([ids, ids[:, :20]], dim=1)[:1]  # repeated n-grams to propose; assisted decoding is batch 1
+        kwargs = dict(prompt_lookup_num_tokens=4)
+    elif mode == "padded_batch":
+        ids[1, :9] = 0
+        kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].expand(2, -1).clone())
+        kwargs["attention_mask"][0] = 1
+    torch.manual_seed(5)
+    expected, dequantize_cache = _generate(model, ids, tiny_codebooks_dir, "dequantize", **kwargs)
+    torch.manual_seed(5)
+    got, code_cache = _generate(model, ids, tiny_codebooks_dir, "auto", **kwargs)
+    assert dequantize_cache.attention_path == "dequantize"
+    assert code_cache.attention_path == "codes" and model.config._attn_implementation == "gsrq_sdpa"
+    assert code_cache.layers[0].region_lengths()["codes"] > 0  # the codes were really read
+    assert torch.equal(got, expected)
+
+
+def test_decode_logits_match_and_no_extra_tensors_are_held(model, tiny_codebooks_dir):
+    enable_code_attention(model)
+    ids = _prompt(batch=1, length=80)
+    caches = {path: GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention=path, **CODED)
+              for path in ("dequantize", "codes")}
+    logits = {}
+    with torch.inference_mode():
+        for path, cache in caches.items():
+            model(ids[:, :70], cache=cache)
+            logits[path] = torch.cat([model(ids[:, i:i + 1], cache=cache).logits for i in range(70, 80)], dim=1)
+    assert torch.allclose(logits["codes"], logits["dequantize"], atol=1e-5)
+    shared = shared_storages(*caches.values())
+    assert cache_bytes(caches["codes"], excluding=shared) == cache_bytes(caches["dequantize"], excluding=shared)
+    assert caches["codes"].ledger._angles is None  # the step's rotary tables are released after the last layer
+
+
+def test_eager_models_get_the_eager_stand_in(tiny_codebooks_dir):
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_llama_config()).eval()
+    eager.set_attn_implementation("eager")
+    ids = _prompt(batch=1)
+    expected, _ = _generate(eager, ids, tiny_codebooks_dir, "dequantize")
+    got, cache = _generate(eager, ids, tiny_codebooks_dir, "auto")
+    assert eager.config._attn_implementation == "gsrq_eager" and cache.attention_path == "codes"
+    assert torch.equal(got, expected)
+
+
+def test_stand_in_leaves_other_caches_unchanged(model, tiny_codebooks_dir):
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(tiny_llama_config()).eval()
+    plain.load_state_dict(model.state_dict())
+    ids = _prompt()
+    expected = plain.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert enable_code_attention(plain) and plain.config._attn_implementation == "gsrq_sdpa"
+    got = plain.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                         cache=DynamicCache(config=plain.config))
+    assert torch.equal(got, expected)
+
+
+def test_fallback_when_the_attention_implementation_has_no_stand_in(tiny_codebooks_dir, caplog):
+    torch.manual_seed(0)
+    other = LlamaForCausalLM(tiny_llama_config()).eval()
+    other.config._attn_implementation = "flex_attention"  # no code-reading stand-in exists for it
+    assert enable_code_attention(other) is False
+    assert other.config._attn_implementation == "flex_attention"
+    cache = GSRQCache(other.config, codebooks=tiny_codebooks_dir)
+    assert cache.attention_path == "dequantize"
+    assert GSRQCache(codebooks=tiny_codebooks_dir).attention_path == "dequantize"  # no config: nothing to go on
+
+
+def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(tiny_llama_config()).eval()
+    cache = GSRQCache(plain.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED)
+    ids = _prompt(batch=1)
+    with torch.inference_mode():
+        first = plain(ids, cache=cache).logits
+        assert torch.isnan(first).all()  # placeholders turn a wrong attention function into NaNs, never plausible output
+        with pytest.raises(RuntimeError, match="enable_code_attention"):
+            plain(ids[:, :1], cache=cache)
+
+
+def test_invalid_attention_choice_is_rejected(tiny_codebooks_dir):
+    with pytest.raises(ValueError, match="attention must be one of"):
+        GSRQCache(codebooks=tiny_codebooks_dir, attention="fast")
