@@ -5,11 +5,13 @@ Importing the package registers ``cache_implementation="gsrq"`` with ``transform
 
 from .cache import GSRQCache
 from .codecs.gsrq_codebooks import GSRQCodebooks
+from .integrations.attention import enable_code_attention, register_code_attention
 from .integrations.transformers_patch import register_cache_implementation
 
 __version__ = "0.1.0"
 
 register_cache_implementation("gsrq", GSRQCache)
+register_code_attention()
 
 
 def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only when asked for
@@ -20,4 +22,4 @@ def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only
     raise AttributeError(f"module 'hf_kvcodecs' has no attribute {name!r}")
 
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "calibrate_gsrq", "register_cache_implementation", "__version__"]
+__all__ = ["GSRQCache", "GSRQCodebooks", "enable_code_attention", "calibrate_gsrq", "register_cache_implementation", "__version__"]
