@@ -1,17 +1,21 @@
 """hf_kvcodecs: drop-in KV-cache compression for Hugging Face transformers.
 
-Importing the package registers ``cache_implementation="gsrq"`` with ``transformers``' ``generate()``.
+Importing the package registers ``cache_implementation="gsrq"`` with ``transformers``' ``generate()`` and
+``quant_method="hf_kvcodecs"`` with its quantizers, so ``from_pretrained`` loads models compressed by hf_kvcodecs.
 """
 
 from .cache import GSRQCache
 from .codecs.gsrq_codebooks import GSRQCodebooks
 from .integrations.attention import enable_code_attention, register_code_attention
 from .integrations.transformers_patch import register_cache_implementation
+from .quantization import KVCodecsConfig
+from .quantization import register as _register_quantization
 
 __version__ = "0.1.0"
 
 register_cache_implementation("gsrq", GSRQCache)
 register_code_attention()
+_register_quantization()
 
 
 def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only when asked for
@@ -22,4 +26,4 @@ def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only
     raise AttributeError(f"module 'hf_kvcodecs' has no attribute {name!r}")
 
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "enable_code_attention", "calibrate_gsrq", "register_cache_implementation", "__version__"]
+__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "enable_code_attention", "calibrate_gsrq", "register_cache_implementation", "__version__"]

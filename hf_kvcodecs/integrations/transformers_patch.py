@@ -12,9 +12,12 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import logging
 from typing import Callable
 
 from packaging.version import Version
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))  # [min, max)
 _PATCH_MARKER = "_hf_kvcodecs_cache_implementations"
@@ -79,6 +82,12 @@ def _wrap_prepare_cache(generation_mixin) -> None:
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         implementation = generation_config.cache_implementation
         user_cache = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
+        if implementation in CACHE_IMPLEMENTATIONS and user_cache:
+            # A compressed checkpoint makes our cache the model's default; a cache passed to generate() wins over a
+            # default (transformers would refuse the pair). generation_config is generate()'s per-call copy.
+            logger.info("generate() got a cache: using it instead of the default cache_implementation=%r.", implementation)
+            generation_config.cache_implementation = None
+            implementation = None
         if (
             implementation in CACHE_IMPLEMENTATIONS
             and not user_cache  # transformers raises its own clear error for cache= together with cache_implementation

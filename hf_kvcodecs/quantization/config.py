@@ -1,0 +1,166 @@
+"""``KVCodecsConfig``: the quantization config transformers stores in ``config.json`` as ``quantization_config``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .rtn import SCALE_DTYPES, check_bits
+
+QUANT_METHOD = "hf_kvcodecs"
+# Bumped whenever a checkpoint written by this version cannot be read correctly by an older hf_kvcodecs.
+FORMAT_VERSION = 1
+MODES = ("packed", "fake")
+KV_CACHE_IMPLEMENTATIONS = ("gsrq",)
+# Where save_pretrained writes the KV codebooks, relative to the checkpoint folder.
+KV_CODEBOOKS_FOLDER = "kv_codebooks"
+MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 8192
+
+
+def _kv_cache_options() -> tuple[str, ...]:
+    from ..cache.gsrq import CACHE_CONFIG_KEYS
+
+    return tuple(key for key in CACHE_CONFIG_KEYS if key != "config")  # the model config is supplied by generate()
+
+
+class KVCodecsConfig(QuantizationConfigMixin):
+    """Quantization config of hf_kvcodecs: low-bit weights and a compressed KV cache, saved with the model.
+
+    Pass it to ``from_pretrained(..., quantization_config=KVCodecsConfig(...))`` to quantize while loading, or to
+    :func:`hf_kvcodecs.quantization.quantize_model` for a model already in memory. A saved checkpoint carries it in
+    ``config.json``; with ``hf_kvcodecs`` installed and imported, ``from_pretrained`` restores everything.
+
+    Args:
+        weight_bits (`int` or `None`, defaults to 4):
+            Bits per weight of the converted ``nn.Linear`` layers, 1 to 8. ``None`` leaves the weights in floating
+            point and only sets up the KV cache.
+        group_size (`int`, defaults to 64):
+            Consecutive inputs of a row that share one scale (and offset): a power of two from 8 to 8192. Every
+            converted layer's ``in_features`` must be a multiple of it.
+        symmetric (`bool`, defaults to `False`):
+            Symmetric grid (one scale per group) instead of min-max (scale and offset per group).
+        mode (`str`, defaults to `"packed"`):
+            ``"packed"``: int32-packed codes plus scales, the inference format (``PackedLinear``). ``"fake"``:
+            float weights quantized on the fly with a straight-through estimator and learnable scales
+            (``FakeQuantLinear``), for quantization-aware training; ``Trainer`` accepts such a model.
+        modules_to_not_convert (`list[str]`, *optional*):
+            Module names (prefixes, suffixes or regular expressions) kept in floating point. ``None`` keeps
+            transformers' default: the output embedding and weights tied to it.
+        scale_dtype (`str`, defaults to `"float16"`):
+            Storage dtype of packed scales and offsets: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
+        kv_cache_implementation (`str`, *optional*):
+            ``"gsrq"`` makes ``generate()`` use :class:`~hf_kvcodecs.GSRQCache` by default.
+        kv_cache_config (`dict`, *optional*):
+            Options of that cache (``bits``, ``window_length``, ...), and ``codebooks``: a directory written by
+            ``hf-kvcodecs calibrate``. In a saved checkpoint it is ``"kv_codebooks"``, relative to the checkpoint.
+        format_version (`int`):
+            Checkpoint format version; set by hf_kvcodecs, not by users.
+    """
+
+    def __init__(
+        self,
+        weight_bits: int | None = 4,
+        group_size: int = 64,
+        symmetric: bool = False,
+        mode: str = "packed",
+        modules_to_not_convert: list[str] | None = None,
+        scale_dtype: str = "float16",
+        kv_cache_implementation: str | None = None,
+        kv_cache_config: dict[str, Any] | None = None,
+        format_version: int = FORMAT_VERSION,
+        **kwargs,
+    ):
+        quant_method = kwargs.pop("quant_method", QUANT_METHOD)
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"KVCodecsConfig has quant_method={QUANT_METHOD!r}, got {quant_method!r}.")
+        if kwargs:
+            raise ValueError(
+                f"Unknown KVCodecsConfig option(s) {sorted(kwargs)}. Valid options: weight_bits, group_size, symmetric, "
+                "mode, modules_to_not_convert, scale_dtype, kv_cache_implementation, kv_cache_config. If they come "
+                "from a checkpoint's config.json, it was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
+            )
+        self.quant_method = QUANT_METHOD
+        self.weight_bits = weight_bits
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.mode = mode
+        self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.scale_dtype = scale_dtype
+        self.kv_cache_implementation = kv_cache_implementation
+        self.kv_cache_config = None if kv_cache_config is None else dict(kv_cache_config)
+        self.format_version = format_version
+        self.post_init()
+
+    def post_init(self):
+        """Check every field and say how to fix a bad one."""
+        if not isinstance(self.format_version, int) or self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"This checkpoint uses hf_kvcodecs format version {self.format_version!r}; this hf_kvcodecs reads "
+                f"versions up to {FORMAT_VERSION}. Upgrade it: `pip install -U hf-kvcodecs`."
+            )
+        if self.weight_bits is not None:
+            check_bits(self.weight_bits)
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or not (
+            MIN_GROUP_SIZE <= self.group_size <= MAX_GROUP_SIZE and self.group_size & (self.group_size - 1) == 0
+        ):
+            raise ValueError(
+                f"group_size must be a power of two from {MIN_GROUP_SIZE} to {MAX_GROUP_SIZE}, got {self.group_size!r}. "
+                "It must also divide the in_features of every converted layer (64 or 32 suit most models)."
+            )
+        if not isinstance(self.symmetric, bool):
+            raise ValueError(f"symmetric must be True or False, got {self.symmetric!r}.")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.weight_bits is None and self.mode != "packed":
+            raise ValueError("mode='fake' trains quantized weights, so it needs weight_bits (1 to 8), not None.")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {tuple(SCALE_DTYPES)}, got {self.scale_dtype!r}.")
+        if self.modules_to_not_convert is not None and not all(isinstance(m, str) for m in self.modules_to_not_convert):
+            raise ValueError("modules_to_not_convert must be a list of module names (strings).")
+        self._check_kv_cache()
+
+    def _check_kv_cache(self):
+        if self.kv_cache_implementation is None:
+            if self.kv_cache_config:
+                raise ValueError("kv_cache_config was given without kv_cache_implementation; set kv_cache_implementation='gsrq'.")
+            return
+        if self.kv_cache_implementation not in KV_CACHE_IMPLEMENTATIONS:
+            raise ValueError(
+                f"kv_cache_implementation must be one of {KV_CACHE_IMPLEMENTATIONS} or None, got {self.kv_cache_implementation!r}."
+            )
+        options = self.kv_cache_config or {}
+        unknown = sorted(set(options) - set(_kv_cache_options()))
+        if unknown:
+            raise ValueError(f"Unknown kv_cache_config option(s) {unknown}; valid options: {list(_kv_cache_options())}.")
+        codebooks = options.get("codebooks")
+        if not isinstance(codebooks, (str, os.PathLike)):
+            raise ValueError(
+                "kv_cache_implementation='gsrq' needs kv_cache_config={'codebooks': DIR}, where DIR was written by "
+                "`hf-kvcodecs calibrate --model <model> --out DIR` (a path, so that the config can be saved as JSON)."
+            )
+        self.kv_cache_config = {**options, "codebooks": os.fspath(codebooks)}
+
+    @property
+    def quantizes_weights(self) -> bool:
+        return self.weight_bits is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": self.quant_method,
+            "format_version": self.format_version,
+            "weight_bits": self.weight_bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "mode": self.mode,
+            "modules_to_not_convert": None if self.modules_to_not_convert is None else list(self.modules_to_not_convert),
+            "scale_dtype": self.scale_dtype,
+            "kv_cache_implementation": self.kv_cache_implementation,
+            "kv_cache_config": None if self.kv_cache_config is None else dict(self.kv_cache_config),
+        }
+
+    def __eq__(self, other):
+        return isinstance(other, KVCodecsConfig) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # mutable, like the other quantization configs

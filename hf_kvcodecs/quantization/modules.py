@@ -1,0 +1,241 @@
+"""Linear layers that hold quantized weights: ``PackedLinear`` (inference) and ``FakeQuantLinear`` (QAT)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rtn import (
+    SCALE_DTYPES,
+    check_bits,
+    dequantize_weight,
+    fake_quantize,
+    packed_width,
+    quantize_weight,
+    rtn_parameters,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is stored as packed low-bit codes (see :mod:`hf_kvcodecs.quantization.rtn`).
+
+    State dict: ``weight`` (int32 packed codes, never the float shape), ``weight_scale``, ``weight_offset`` (only
+    when asymmetric) and ``bias``. The forward pass dequantizes the weight to the input's dtype and runs a float
+    matmul; inside :func:`dequantized_weight_cache` the dequantized weight is kept between calls instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
+                 symmetric: bool = False, scale_dtype: torch.dtype = torch.float16, device=None, dtype=None):
+        super().__init__()
+        check_bits(bits)
+        if in_features % group_size:
+            raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}.")
+        width = packed_width(in_features, bits)
+        if width == in_features:  # only possible for in_features == bits == 8
+            raise ValueError(
+                f"A {bits}-bit packed row of {in_features} inputs would have the float weight's shape, which a loader "
+                "without hf_kvcodecs could not tell apart; keep this layer in floating point (modules_to_not_convert)."
+            )
+        self.in_features, self.out_features = in_features, out_features
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        groups = in_features // group_size
+        self.weight = nn.Parameter(torch.empty(out_features, width, dtype=torch.int32, device=device), requires_grad=False)
+        # Scales and offsets are storage metadata, not trainable parameters: buffers (saved in the state dict).
+        self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype, device=device))
+        self.register_buffer(
+            "weight_offset", None if symmetric else torch.empty(out_features, groups, dtype=scale_dtype, device=device)
+        )
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self._cached_weight: torch.Tensor | None = None
+        self._cache_enabled = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
+                    scale_dtype: torch.dtype = torch.float16) -> "PackedLinear":
+        """Round-to-nearest quantize a float ``nn.Linear``."""
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
+                     symmetric=symmetric, scale_dtype=scale_dtype, device=linear.weight.device, dtype=linear.weight.dtype)
+        module.load_quantized(quantize_weight(linear.weight.detach(), bits, group_size, symmetric=symmetric, scale_dtype=scale_dtype))
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.detach())
+        return module
+
+    def load_quantized(self, quantized) -> None:
+        with torch.no_grad():
+            self.weight.data = quantized.packed.to(self.weight.device)
+            self.weight_scale = quantized.scale.to(self.weight.device)
+            if not self.symmetric:
+                self.weight_offset = quantized.offset.to(self.weight.device)
+        self._cached_weight = None
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
+        if self._cache_enabled:
+            if self._cached_weight is None or self._cached_weight.dtype != dtype:
+                self._cached_weight = self._dequantize(dtype)
+            return self._cached_weight
+        return self._dequantize(dtype)
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.weight_scale, self.weight_offset, self.bits, self.group_size,
+                                 self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A float ``nn.Linear`` computing the same function (for ``model.dequantize()``)."""
+        weight = self._dequantize(dtype or torch.float32)
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if self.bias is not None:
+                linear.bias.copy_(self.bias.to(weight.dtype))
+        return linear
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.symmetric else "asymmetric"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits={self.bits}, group_size={self.group_size}, {kind}")
+
+
+class FakeQuantLinear(nn.Linear):
+    """``nn.Linear`` whose forward uses its weight fake-quantized on a learnable grid (quantization-aware training).
+
+    The float ``weight`` (same key and shape as ``nn.Linear``) is the trained latent weight. ``weight_scale`` and
+    ``weight_offset`` (asymmetric only) are ``nn.Parameter``s ``[out_features, in_features // group_size]``
+    initialised by min-max RTN and trained with LSQ-style gradients through :func:`~hf_kvcodecs.quantization.rtn.fake_quantize`.
+    Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
+    trained layer to a :class:`PackedLinear`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
+                 symmetric: bool = False, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        check_bits(bits)
+        if in_features % group_size:
+            raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}.")
+        self.bits, self.group_size, self.symmetric = bits, group_size, symmetric
+        groups = in_features // group_size
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, device=device, dtype=dtype))
+        self.weight_offset = None if symmetric else nn.Parameter(torch.empty(out_features, groups, device=device, dtype=dtype))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False) -> "FakeQuantLinear":
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
+                     symmetric=symmetric, device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            module.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                module.bias.copy_(linear.bias)
+        module.reset_quantizer_parameters()
+        return module
+
+    def reset_quantizer_parameters(self) -> None:
+        """(Re)initialise the grid from the current weight by min-max RTN."""
+        scale, offset = rtn_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
+        with torch.no_grad():
+            # A zero scale would divide by zero in the forward pass; the smallest normal float is harmless instead.
+            self.weight_scale.copy_(scale.clamp_min(torch.finfo(self.weight_scale.dtype).tiny))
+            if self.weight_offset is not None:
+                self.weight_offset.copy_(offset)
+
+    def quantized_weight(self) -> torch.Tensor:
+        return fake_quantize(self.weight, self.weight_scale, self.weight_offset, self.bits, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
+
+    def to_packed(self, scale_dtype: torch.dtype = torch.float16) -> PackedLinear:
+        """Export to a ``PackedLinear`` on the learned grid (scales rounded to ``scale_dtype``)."""
+        module = PackedLinear(self.in_features, self.out_features, self.bias is not None, bits=self.bits,
+                              group_size=self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
+                              device=self.weight.device, dtype=self.weight.dtype)
+        module.load_quantized(quantize_weight(
+            self.weight.detach(), self.bits, self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
+            scale=self.weight_scale.detach(), offset=None if self.weight_offset is None else self.weight_offset.detach(),
+        ))
+        if self.bias is not None:
+            module.bias.data.copy_(self.bias.detach())
+        return module
+
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        dtype = dtype or self.weight.dtype
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=self.weight.device, dtype=dtype)
+        with torch.no_grad():
+            linear.weight.copy_(self.quantized_weight().to(dtype))
+            if self.bias is not None:
+                linear.bias.copy_(self.bias.to(dtype))
+        return linear
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}"
+
+
+QUANTIZED_LINEAR_TYPES = (PackedLinear, FakeQuantLinear)
+
+
+def empty_quantized_linear(linear: nn.Linear, config) -> nn.Module:
+    """The quantized module replacing ``linear`` before its weights are loaded (built on the current device, e.g. meta)."""
+    common = dict(bits=config.weight_bits, group_size=config.group_size, symmetric=config.symmetric,
+                  dtype=linear.weight.dtype, device=linear.weight.device)
+    bias = linear.bias is not None
+    if config.mode == "fake":
+        return FakeQuantLinear(linear.in_features, linear.out_features, bias, **common)
+    return PackedLinear(linear.in_features, linear.out_features, bias, scale_dtype=SCALE_DTYPES[config.scale_dtype], **common)
+
+
+def quantized_from_linear(linear: nn.Linear, config) -> nn.Module:
+    """The quantized module computed from a loaded float ``linear``."""
+    if config.mode == "fake":
+        return FakeQuantLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
+                                           symmetric=config.symmetric)
+    return PackedLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
+                                    symmetric=config.symmetric, scale_dtype=SCALE_DTYPES[config.scale_dtype])
+
+
+def linear_layers_to_convert(model: nn.Module, config, modules_to_not_convert) -> list[str]:
+    """Names of the ``nn.Linear`` layers to quantize; a clear error if one cannot be quantized with ``config``."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    names = [name for name, module in model.named_modules()
+             if type(module) is nn.Linear and should_convert_module(name, modules_to_not_convert)]
+    misfits = [f"{name} (in_features={model.get_submodule(name).in_features})" for name in names
+               if model.get_submodule(name).in_features % config.group_size]
+    if misfits:
+        shown = ", ".join(misfits[:5]) + (f" and {len(misfits) - 5} more" if len(misfits) > 5 else "")
+        raise ValueError(
+            f"group_size={config.group_size} does not divide the in_features of {shown}. Choose a group_size that "
+            "divides every layer's in_features, or keep these layers in floating point with "
+            "modules_to_not_convert=[...] (their names or a pattern)."
+        )
+    if config.weight_bits == 8:
+        tiny = [name for name in names if model.get_submodule(name).in_features == 8]
+        if tiny:
+            raise ValueError(f"8-bit layers with in_features=8 cannot be packed distinguishably: {tiny}; add them to modules_to_not_convert.")
+    return names
+
+
+@contextlib.contextmanager
+def dequantized_weight_cache(model: nn.Module):
+    """Keep every ``PackedLinear``'s dequantized weight between forward calls inside this block.
+
+    Trades memory (a float copy of each packed weight) for speed in loops of many small forward calls, such as
+    token-by-token evaluation or calibration; outputs are bit-identical because the same dequantization runs once
+    instead of every call. The copies are released on exit.
+    """
+    modules = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    for module in modules:
+        module._cache_enabled = True
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module._cache_enabled = False
+            module._cached_weight = None

@@ -1,0 +1,437 @@
+"""The transformers ``HfQuantizer`` of hf_kvcodecs, and the KV codebooks that travel with a quantized model.
+
+Loading (``from_pretrained``) runs, in transformers 5.24:
+``_process_model_before_weight_loading`` (swap ``nn.Linear`` for empty quantized modules on the meta device) →
+weights load (a float checkpoint goes through :class:`QuantizeOnLoad`; a quantized one loads its packed tensors
+directly) → ``generation_config.json`` is read → ``_process_model_after_weight_loading`` (find and check the KV
+codebooks, make GSRQ the default cache of ``generate()``).
+
+Saving: transformers' ``save_pretrained`` only writes config, generation config and weights, so a model with KV
+codebooks gets an instance-level ``save_pretrained`` that also writes them to ``kv_codebooks/`` (safetensors +
+JSON) and stores that relative location in ``config.json`` and ``generation_config.json``. ``push_to_hub`` and
+``Trainer`` checkpoints call ``save_pretrained``, so the codebooks travel with every copy of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import shutil
+import tempfile
+import types
+import weakref
+from pathlib import Path, PurePosixPath
+
+import torch
+from torch import nn
+from transformers.core_model_loading import ConversionOps
+from transformers.quantizers import HfQuantizer
+
+from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
+from ..integrations.loading import was_loaded_from_checkpoint
+from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
+from .modules import (
+    QUANTIZED_LINEAR_TYPES,
+    FakeQuantLinear,
+    empty_quantized_linear,
+    linear_layers_to_convert,
+    quantized_from_linear,
+)
+from .rtn import SCALE_DTYPES, quantize_weight, rtn_parameters
+
+logger = logging.getLogger(__name__)
+
+
+class QuantizeOnLoad(ConversionOps):
+    """Turns a float checkpoint weight into the tensors of the quantized module that replaced its ``nn.Linear``."""
+
+    def __init__(self, hf_quantizer: "KVCodecsHfQuantizer"):
+        self.hf_quantizer = hf_quantizer
+
+    @torch.no_grad()
+    def convert(self, input_dict, *args, model=None, **kwargs):
+        if len(input_dict) != 1:
+            raise ValueError(f"hf_kvcodecs quantizes one weight at a time, got {sorted(input_dict)}.")
+        (key, value), = input_dict.items()
+        weight = value[0] if isinstance(value, list) else value
+        module_name = key.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        config = self.hf_quantizer.quantization_config
+        if isinstance(module, FakeQuantLinear):
+            scale, offset = rtn_parameters(weight, config.weight_bits, config.group_size, config.symmetric)
+            dtype = module.weight.dtype
+            tensors = {"weight": weight.to(dtype), "weight_scale": scale.clamp_min(torch.finfo(dtype).tiny).to(dtype)}
+            if offset is not None:
+                tensors["weight_offset"] = offset.to(dtype)
+        else:
+            quantized = quantize_weight(weight, config.weight_bits, config.group_size, symmetric=config.symmetric,
+                                        scale_dtype=SCALE_DTYPES[config.scale_dtype])
+            tensors = {"weight": quantized.packed, "weight_scale": quantized.scale}
+            if quantized.offset is not None:
+                tensors["weight_offset"] = quantized.offset
+        return {f"{module_name}.{name}": tensor for name, tensor in tensors.items()}
+
+
+class KVCodecsHfQuantizer(HfQuantizer):
+    """Quantizer behind ``quant_method="hf_kvcodecs"``: packed or fake-quant weights, plus the GSRQ KV cache default."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: KVCodecsConfig, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        self.modules_to_not_convert: list[str] = []
+        self.checkpoint_files: list[str] = []
+        self.kv_codebooks: GSRQCodebooks | None = None
+        self.kv_codebooks_dir: Path | None = None  # local, absolute; what generation_config.cache_config points to
+
+    # ---- capabilities -------------------------------------------------------------------------------------------
+    def is_serializable(self, *args, **kwargs) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        # Packed int32 codes have no gradient; fake-quant weights (and unquantized ones) train with the STE.
+        return self.quantization_config.mode == "fake" or not self.quantization_config.quantizes_weights
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return self.is_trainable
+
+    @property
+    def quantized_element_size(self) -> float | None:
+        config = self.quantization_config
+        return config.weight_bits / 8 if config.quantizes_weights and config.mode == "packed" else None
+
+    # ---- loading ------------------------------------------------------------------------------------------------
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized or not self.quantization_config.quantizes_weights:
+            return False
+        module_name, _, tensor_name = param_name.rpartition(".")
+        try:
+            module = model.get_submodule(module_name)
+        except AttributeError:
+            return False
+        return tensor_name == "weight" and isinstance(module, QUANTIZED_LINEAR_TYPES)
+
+    def get_quantize_ops(self):
+        return QuantizeOnLoad(self)
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
+        self.checkpoint_files = list(checkpoint_files or [])
+        config = self.quantization_config
+        if not config.quantizes_weights:
+            return model
+        self.modules_to_not_convert = self.get_modules_to_not_convert(
+            model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+        )
+        names = linear_layers_to_convert(model, config, self.modules_to_not_convert)
+        for name in names:
+            model.set_submodule(name, empty_quantized_linear(model.get_submodule(name), config))
+        if not names:
+            logger.warning("hf_kvcodecs: no nn.Linear layer matched for quantization; the weights stay in floating point.")
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.pre_quantized and self.quantization_config.quantizes_weights:
+            _check_quantized_tensors_loaded(model)
+        if self.quantization_config.kv_cache_implementation is not None:
+            self.activate_kv_cache(model)
+        return model
+
+    def get_state_dict_and_metadata(self, model):
+        # Written into the safetensors header, so the file says what it holds even without config.json.
+        return None, {"quant_method": QUANT_METHOD, "hf_kvcodecs_format_version": str(FORMAT_VERSION)}
+
+    # ---- KV cache -------------------------------------------------------------------------------------------------
+    def activate_kv_cache(self, model, *, override: bool = False) -> None:
+        """Load and check the KV codebooks named in the config and make them ``generate()``'s default cache.
+
+        The model's generation config keeps a cache implementation set by the user or the checkpoint, unless it is
+        already GSRQ with these codebooks or ``override`` is set.
+        """
+        from ..cache.gsrq import GSRQCache, load_codebooks
+
+        config = self.quantization_config
+        location = config.kv_cache_config["codebooks"]
+        directory = resolve_codebooks_dir(location, pre_quantized=self.pre_quantized,
+                                          name_or_path=getattr(model.config, "_name_or_path", None),
+                                          checkpoint_files=self.checkpoint_files)
+        codebooks = load_codebooks(directory)
+        options = {key: value for key, value in config.kv_cache_config.items() if key != "codebooks"}
+        try:  # building one cache checks the codebooks against the model and every option, at load time
+            GSRQCache(model.config.get_text_config(decoder=True), codebooks=codebooks, **options)
+        except ValueError as error:
+            raise ValueError(
+                f"The KV cache settings of this hf_kvcodecs model do not work with it (codebooks: {directory}): {error}"
+            ) from error
+        self.kv_codebooks, self.kv_codebooks_dir = codebooks, directory
+        if model.can_generate():
+            _point_generation_config_at(model.generation_config, location, directory, options, override)
+        _install_save_hook(model)
+
+    def deactivate_kv_cache(self, model) -> None:
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None and generation_config.cache_implementation == "gsrq" and _same_directory(
+            (generation_config.cache_config or {}).get("codebooks"), self.kv_codebooks_dir
+        ):
+            generation_config.cache_implementation = None
+            generation_config.cache_config = None
+        self.kv_codebooks = self.kv_codebooks_dir = None
+        if "save_pretrained" in model.__dict__:
+            del model.save_pretrained
+
+    # ---- conversions ----------------------------------------------------------------------------------------------
+    def _dequantize(self, model, dtype=None):
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, QUANTIZED_LINEAR_TYPES):
+                model.set_submodule(name, module.to_linear(dtype))
+        if self.kv_codebooks is not None:
+            logger.info("model.dequantize(): generate() no longer defaults to the GSRQ cache; pass "
+                        "cache_implementation='gsrq', cache_config={'codebooks': %r} to keep using it.", str(self.kv_codebooks_dir))
+        self.deactivate_kv_cache(model)
+        return model
+
+    def convert_fake_to_packed(self, model) -> None:
+        """Replace every ``FakeQuantLinear`` by a ``PackedLinear`` on its learned grid (after QAT, before deployment)."""
+        config = self.quantization_config
+        if config.mode != "fake":
+            raise ValueError(f"The model is already in mode={config.mode!r}; only mode='fake' models can be packed.")
+        for name, module in list(model.named_modules()):
+            if isinstance(module, FakeQuantLinear):
+                model.set_submodule(name, module.to_packed(SCALE_DTYPES[config.scale_dtype]))
+        config.mode = "packed"
+
+
+def _check_quantized_tensors_loaded(model) -> None:
+    # transformers only warns about missing keys and leaves their memory uninitialised; for packed codes that would
+    # be silent garbage, so a quantized tensor the checkpoint did not provide is an error.
+    missing = []
+    for name, module in model.named_modules():
+        if isinstance(module, QUANTIZED_LINEAR_TYPES):
+            for tensor_name in ("weight", "weight_scale", "weight_offset"):
+                tensor = getattr(module, tensor_name, None)
+                if tensor is not None and not was_loaded_from_checkpoint(tensor):
+                    missing.append(f"{name}.{tensor_name}")
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ValueError(
+            f"This hf_kvcodecs checkpoint lacks quantized tensors its config requires: {shown}. The weight files are "
+            "incomplete or were written with other settings (bits, group_size, symmetric); re-save the model."
+        )
+
+
+def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: str | None,
+                          checkpoint_files: list[str]) -> Path:
+    """Local directory of the KV codebooks.
+
+    A checkpoint stores ``location`` relative to itself (``"kv_codebooks"``): it is looked up next to the weight
+    files, then downloaded from the Hub repo the model came from. A path given by the user (quantizing while loading)
+    is relative to the working directory.
+    """
+    path = Path(location).expanduser()
+    if path.is_absolute() or not pre_quantized:
+        candidates = [path]
+    else:
+        roots = [Path(file).parent for file in checkpoint_files[:1]]
+        if name_or_path and Path(name_or_path).is_dir():
+            roots.append(Path(name_or_path))
+        candidates = [root / path for root in roots]
+    for candidate in candidates:
+        if (candidate / METADATA_FILE).is_file():
+            return candidate.resolve()
+    if pre_quantized and not path.is_absolute() and name_or_path and not Path(name_or_path).exists():
+        return _download_codebooks(name_or_path, PurePosixPath(location), checkpoint_files)
+    where = ", ".join(str(c) for c in candidates) or str(path)
+    raise CodebookFileError(
+        f"The KV codebooks of this hf_kvcodecs model ({location!r}) are missing: no {METADATA_FILE} in {where}. A "
+        f"saved model keeps them in its {KV_CODEBOOKS_FOLDER}/ folder: copy or upload the whole folder written by "
+        "save_pretrained, or pass an existing codebook directory (`hf-kvcodecs calibrate --out DIR`)."
+    )
+
+
+def _download_codebooks(repo_id: str, folder: PurePosixPath, checkpoint_files: list[str]) -> Path:
+    from huggingface_hub import hf_hub_download
+
+    # The weights were resolved to .../snapshots/<commit>/...: fetch the codebooks of that same commit.
+    revision = None
+    if checkpoint_files:
+        snapshot = Path(checkpoint_files[0]).parent
+        if snapshot.parent.name == "snapshots":
+            revision = snapshot.name
+    paths = [hf_hub_download(repo_id, filename=f"{folder}/{name}", revision=revision) for name in (METADATA_FILE, TENSORS_FILE)]
+    return Path(paths[0]).parent.resolve()
+
+
+def _same_directory(reference, directory) -> bool:
+    if reference is None or directory is None:
+        return False
+    try:
+        return Path(reference).expanduser().resolve() == Path(directory).resolve()
+    except (TypeError, OSError):
+        return False
+
+
+def _point_generation_config_at(generation_config, location: str, directory: Path, options: dict, override: bool) -> None:
+    current = generation_config.cache_implementation
+    cache_config = dict(generation_config.cache_config or {}) if current == "gsrq" else {}
+    ours = current == "gsrq" and (cache_config.get("codebooks") in (None, location) or _same_directory(cache_config.get("codebooks"), directory))
+    if current is None or ours or override:
+        # Options saved in generation_config.json (or set by the user) win over the quantization config's defaults.
+        merged = {**options, **({} if override or not ours else cache_config), "codebooks": str(directory)}
+        generation_config.cache_implementation = "gsrq"
+        generation_config.cache_config = merged
+    else:
+        logger.info("hf_kvcodecs: keeping generation_config.cache_implementation=%r; pass cache_implementation='gsrq' "
+                    "to generate() to use the model's KV codebooks.", current)
+
+
+# ---- save_pretrained with the KV codebooks ----------------------------------------------------------------------
+def _install_save_hook(model) -> None:
+    current = model.__dict__.get("save_pretrained")
+    if getattr(current, "__func__", None) is _save_pretrained_with_kv_codebooks:
+        return
+    model.save_pretrained = types.MethodType(_save_pretrained_with_kv_codebooks, model)
+
+
+def _save_pretrained_with_kv_codebooks(self, save_directory, *args, **kwargs):
+    """``PreTrainedModel.save_pretrained``, plus the KV codebooks in ``save_directory/kv_codebooks``."""
+    save = type(self).save_pretrained
+    quantizer = getattr(self, "hf_quantizer", None)
+    codebooks = getattr(quantizer, "kv_codebooks", None)
+    if codebooks is None:
+        return save(self, save_directory, *args, **kwargs)
+    bound = inspect.signature(save).bind(self, save_directory, *args, **kwargs)
+    extra = next((bound.arguments.setdefault(p.name, {}) for p in inspect.signature(save).parameters.values()
+                  if p.kind is inspect.Parameter.VAR_KEYWORD), {})
+    push_to_hub = bound.arguments.get("push_to_hub", False)
+    # transformers uploads inside save_pretrained, before the codebooks below exist; push a complete copy afterwards.
+    bound.arguments["push_to_hub"] = False
+    hub_options = {key: extra.pop(key) for key in ("repo_id", "commit_message", "commit_description", "create_pr",
+                                                   "private", "revision", "tags") if key in extra}
+    with _codebooks_referenced_as(self, quantizer, KV_CODEBOOKS_FOLDER):
+        result = save(*bound.args, **bound.kwargs)
+    if bound.arguments.get("is_main_process", True):
+        codebooks.save(Path(save_directory) / KV_CODEBOOKS_FOLDER)
+    if push_to_hub:
+        repo_id = hub_options.pop("repo_id", Path(save_directory).name)
+        self.push_to_hub(repo_id, token=bound.arguments.get("token"), **hub_options)
+    return result
+
+
+@contextlib.contextmanager
+def _codebooks_referenced_as(model, quantizer, reference: str):
+    """While saving, config.json and generation_config.json name the codebooks by their place in the checkpoint,
+    not by this machine's path."""
+    kv_cache_config = quantizer.quantization_config.kv_cache_config
+    generation_config = getattr(model, "generation_config", None)
+    cache_config = None
+    if generation_config is not None and generation_config.cache_implementation == "gsrq" and isinstance(generation_config.cache_config, dict):
+        if _same_directory(generation_config.cache_config.get("codebooks"), quantizer.kv_codebooks_dir):
+            cache_config = generation_config.cache_config
+    saved_kv, saved_generation = kv_cache_config["codebooks"], None if cache_config is None else cache_config["codebooks"]
+    kv_cache_config["codebooks"] = reference
+    if cache_config is not None:
+        cache_config["codebooks"] = reference
+    try:
+        yield
+    finally:
+        kv_cache_config["codebooks"] = saved_kv
+        if cache_config is not None:
+            cache_config["codebooks"] = saved_generation
+
+
+# ---- in-memory API ---------------------------------------------------------------------------------------------
+def quantize_model(model, quantization_config: KVCodecsConfig | dict):
+    """Quantize a model already in memory, in place, exactly as ``from_pretrained(..., quantization_config=...)`` would.
+
+    Returns the model, which then saves, pushes, dequantizes and trains (fake mode) like one loaded that way.
+    """
+    if isinstance(quantization_config, dict):
+        quantization_config = KVCodecsConfig(**quantization_config)
+    if not isinstance(quantization_config, KVCodecsConfig):
+        raise TypeError(f"quantization_config must be a KVCodecsConfig or a dict, got {type(quantization_config).__name__}.")
+    existing = getattr(model, "hf_quantizer", None) or getattr(model.config, "quantization_config", None)
+    if existing is not None:
+        raise ValueError(
+            "This model is already quantized; quantize its floating-point original instead (or call model.dequantize() first)."
+        )
+    quantizer = KVCodecsHfQuantizer(quantization_config, pre_quantized=False)
+    if quantization_config.quantizes_weights:
+        quantizer.modules_to_not_convert = quantizer.get_modules_to_not_convert(
+            model, quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+        )
+        for name in linear_layers_to_convert(model, quantization_config, quantizer.modules_to_not_convert):
+            model.set_submodule(name, quantized_from_linear(model.get_submodule(name), quantization_config))
+    # What from_pretrained's preprocess/postprocess steps record on a quantized model.
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    model.hf_quantizer = quantizer
+    quantizer.postprocess_model(model)
+    return model
+
+
+def attach_kv_codebooks(model, codebooks: GSRQCodebooks | str | Path, **cache_options) -> None:
+    """Make GSRQ with ``codebooks`` the model's default KV cache, saved with it by ``save_pretrained``.
+
+    ``cache_options`` are :class:`~hf_kvcodecs.GSRQCache` options (``bits``, ``window_length``, ...). A model not
+    quantized by hf_kvcodecs gets a KV-only ``KVCodecsConfig(weight_bits=None)``.
+    """
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None:
+        quantize_model(model, KVCodecsConfig(weight_bits=None))
+        quantizer = model.hf_quantizer
+    elif not isinstance(quantizer, KVCodecsHfQuantizer):
+        raise ValueError(
+            f"This model is quantized with {quantizer.quantization_config.quant_method}; hf_kvcodecs can only attach "
+            "KV codebooks to models it quantized (or to floating-point models)."
+        )
+    if isinstance(codebooks, GSRQCodebooks):
+        directory = Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kv_codebooks_"))
+        codebooks.save(directory)
+        weakref.finalize(quantizer, shutil.rmtree, directory, True)  # lives as long as the model refers to it
+    else:
+        directory = Path(codebooks).expanduser().resolve()
+    config = quantizer.quantization_config
+    previous = (config.kv_cache_implementation, config.kv_cache_config)
+    config.kv_cache_implementation, config.kv_cache_config = "gsrq", {**cache_options, "codebooks": str(directory)}
+    try:
+        config.post_init()
+        quantizer.activate_kv_cache(model, override=True)
+    except Exception:
+        config.kv_cache_implementation, config.kv_cache_config = previous
+        raise
+
+
+def pack_fake_quantized(model) -> None:
+    """After quantization-aware training: turn the model's ``FakeQuantLinear`` layers into ``PackedLinear``."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if not isinstance(quantizer, KVCodecsHfQuantizer):
+        raise ValueError("The model was not quantized by hf_kvcodecs.")
+    quantizer.convert_fake_to_packed(model)
+
+
+def register() -> None:
+    """Register ``quant_method="hf_kvcodecs"`` with transformers; safe to call any number of times."""
+    from transformers.quantizers import register_quantization_config, register_quantizer
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+    for mapping, cls, register_under in (
+        (AUTO_QUANTIZATION_CONFIG_MAPPING, KVCodecsConfig, register_quantization_config),
+        (AUTO_QUANTIZER_MAPPING, KVCodecsHfQuantizer, register_quantizer),
+    ):
+        registered = mapping.get(QUANT_METHOD)
+        if registered is None:
+            register_under(QUANT_METHOD)(cls)
+        elif registered.__module__ != cls.__module__ or registered.__qualname__ != cls.__qualname__:
+            # Same module and name but another object only happens after importlib.reload: the first one stays.
+            raise RuntimeError(
+                f"quant_method {QUANT_METHOD!r} is already registered with transformers by {registered.__module__}."
+                f"{registered.__qualname__}; two packages claim the same name."
+            )
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, QUANTIZED_LINEAR_TYPES)}
