@@ -1,4 +1,4 @@
-"""Command line: `hf-kvcodecs demo | calibrate | bench kv | bench codec`."""
+"""Command line: `hf-kvcodecs demo | calibrate | compress | bench kv | bench memory | bench codec | bench weights`."""
 
 from __future__ import annotations
 
@@ -81,6 +81,17 @@ def cmd_bench_memory(args) -> int:
     return 0
 
 
+def cmd_bench_decode(args) -> int:
+    from .bench.decode import decode_markdown, plot_decode_speed, run_decode_benchmark
+
+    loaded = _load(args)
+    results = run_decode_benchmark(loaded, contexts=tuple(args.contexts), steps=args.steps, repeats=args.repeats,
+                                   text=args.text, include_post_rope=not args.no_post_rope)
+    _write_results(Path(args.out), "decode", results, decode_markdown(results))
+    plot_decode_speed(results, Path(args.out) / "decode.png")
+    return 0
+
+
 def cmd_bench_codec(args) -> int:
     from .bench.codec_ablation import ablation_markdown, run_codec_ablation
 
@@ -89,6 +100,84 @@ def cmd_bench_codec(args) -> int:
     results["model"]["description"] = loaded.description
     _write_results(Path(args.out), "codec_ablation", results, ablation_markdown(results))
     return 0
+
+
+def _weight_bits(value: str):
+    return None if value.lower() == "none" else int(value)
+
+
+def cmd_compress(args) -> int:
+    import torch
+
+    from .quantization.compress import CompressSettings, compress
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = CompressSettings(
+        model=args.model, weight_bits=args.weight_bits, group_size=args.group_size, symmetric=args.symmetric,
+        mode=args.mode, kv=args.kv, kv_bits=args.kv_bits, calibration_text=args.calibration_text,
+        calibration_windows=args.calibration_windows, calibration_window_tokens=args.calibration_window_tokens,
+        evaluation_text=args.eval_text, eval_windows=args.eval_windows, eval_context_tokens=args.eval_context_tokens,
+        eval_decoded_tokens=args.eval_decoded_tokens, seed=args.seed,
+    )
+    report = compress(settings, args.out, push_to_hub=args.push_to_hub, token=args.token, private=args.private)
+    print((Path(args.out) / "README.md").read_text())
+    print(f"saved to {args.out} in {report['elapsed_seconds']:.0f} s" + (f"; pushed to {args.push_to_hub}" if args.push_to_hub else ""))
+    return 0
+
+
+def _add_compress_command(commands) -> None:
+    compress = commands.add_parser(
+        "compress", help="quantize weights, calibrate KV codebooks, evaluate against fp, save with a model card"
+    )
+    _add_model_arguments(compress)
+    compress.add_argument("--weight-bits", type=_weight_bits, default=4, help="1-8, or 'none' to keep float weights")
+    compress.add_argument("--group-size", type=int, default=64, help="inputs sharing one scale (a power of two)")
+    compress.add_argument("--symmetric", action="store_true", help="symmetric grid instead of min-max")
+    compress.add_argument("--mode", default="packed", choices=["packed", "fake"],
+                          help="'fake': float weights with fake quantization, for quantization-aware training")
+    compress.add_argument("--kv", default="gsrq", choices=["gsrq", "none"], help="KV cache compression")
+    compress.add_argument("--kv-bits", type=float, default=2.0, help="GSRQ bits per KV element (incl. fp16 scale)")
+    compress.add_argument("--calibration-text", nargs="+", default=None,
+                          help="KV calibration text: files, a built-in corpus, datasets:NAME[:CONFIG]:SPLIT (default: python-docs)")
+    compress.add_argument("--calibration-windows", type=int, default=32)
+    compress.add_argument("--calibration-window-tokens", type=int, default=512)
+    compress.add_argument("--eval-text", nargs="+", default=None, help="held-out evaluation text (default: debian-licenses)")
+    compress.add_argument("--eval-windows", type=int, default=4)
+    compress.add_argument("--eval-context-tokens", type=int, default=512, help="tokens prefilled per window")
+    compress.add_argument("--eval-decoded-tokens", type=int, default=64, help="tokens decoded and scored per window")
+    compress.add_argument("--seed", type=int, default=0)
+    compress.add_argument("--out", type=Path, required=True, help="folder for the compressed model")
+    compress.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
+    compress.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
+    compress.add_argument("--private", action="store_true", default=None, help="create the Hub repo as private")
+    compress.set_defaults(func=cmd_compress)
+
+
+def cmd_bench_weights(args) -> int:
+    from .bench.weights import plot_weights, run_weights_benchmark, weights_markdown
+
+    results = run_weights_benchmark(model=args.model, threads=args.threads, windows=args.windows,
+                                    window_tokens=args.window_tokens, group_size=args.group_size, text=args.text or None,
+                                    methods=args.methods)
+    _write_results(Path(args.out), "weights", results, weights_markdown(results))
+    plot_weights(results, Path(args.out) / "weights.png")
+    print("written:", ", ".join(str(Path(args.out) / f"weights.{suffix}") for suffix in ("json", "md", "png")))
+    return 0
+
+
+def _add_bench_weights_command(bench) -> None:
+    from .bench.weights import METHOD_NAMES
+
+    weights = bench.add_parser("weights", help="size on disk and perplexity: fp, RTN W8-W2, bitsandbytes, quanto")
+    _add_model_arguments(weights)
+    weights.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    weights.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
+    weights.add_argument("--windows", type=int, default=8, help="fixed windows of evaluation text")
+    weights.add_argument("--window-tokens", type=int, default=512)
+    weights.add_argument("--group-size", type=int, default=64, help="group size of the RTN rows")
+    weights.add_argument("--methods", nargs="+", default=None, choices=METHOD_NAMES, help="subset of methods (default: all)")
+    weights.set_defaults(func=cmd_bench_weights)
 
 
 def cmd_demo(args) -> int:
@@ -181,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.set_defaults(func=cmd_calibrate)
 
+    _add_compress_command(commands)
+
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     kv = bench.add_parser("kv", help="GSRQ vs transformers' caches: quality, memory, speed")
     _add_model_arguments(kv)
@@ -202,6 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--layers", type=int, nargs="+", default=[0, 11, 23, 29], help="layers to fit and measure")
     codec.add_argument("--seeds", type=int, nargs="+", default=[0])
     codec.set_defaults(func=cmd_bench_codec)
+    _add_bench_weights_command(bench)
+    decode = bench.add_parser("decode", help="decode tokens/s and decode-time memory: code-reading GSRQ vs the rest")
+    _add_model_arguments(decode)
+    decode.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    decode.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    decode.add_argument("--steps", type=int, default=16, help="timed decode steps per run")
+    decode.add_argument("--repeats", type=int, default=2, help="interleaved repeats (the median is reported)")
+    decode.add_argument("--no-post-rope", action="store_true",
+                        help="skip the GSRQ variant with keys coded after RoPE (it needs its own calibration)")
+    decode.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
+    decode.set_defaults(func=cmd_bench_decode)
     return parser
 
 
