@@ -28,6 +28,8 @@ bench: setup
 	$(BIN)/hf-kvcodecs bench kv --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench memory --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench codec --threads 1 --out benchmarks/results
+	$(BIN)/hf-kvcodecs bench decode --threads 2 --out benchmarks/results
+	$(BIN)/hf-kvcodecs bench weights --threads 2 --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

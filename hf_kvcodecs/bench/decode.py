@@ -34,7 +34,7 @@ from ..codecs.kmeans import DEFAULT_LEARNER
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
-from .harness import _environment, full_precision_method, shipped_baselines
+from .harness import _decode_step, _environment, _perplexity_metrics, _prefill, full_precision_method, shipped_baselines
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
@@ -98,6 +98,7 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
     if any(m.precision == "bf16" for m in methods):
         models["bf16"] = copy.deepcopy(loaded.model).to(torch.bfloat16)
 
+    quality = _decode_quality(models, methods, token_ids, progress=progress)
     speed = {m.name: {} for m in methods}
     for context in contexts:
         runs = {m.name: [] for m in methods}
@@ -138,12 +139,48 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
     for method in methods:
         rows.append({"method": method.name, "family": method.family, "precision": method.precision,
                      "attention": method.expected_path, "speed": speed[method.name], "memory": memory[method.name],
+                     "quality": quality[method.name],
                      **({"settings": method.extra} if method.extra else {})})
     return {
         "model": loaded.description, "text": corpus.description, "contexts": list(contexts), "steps": steps,
         "repeats": repeats, "memory_steps": memory_steps, "threads": torch.get_num_threads(), "rows": rows,
         "environment": _environment(), "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+QUALITY = dict(context=1024, continuation=64, windows=4)
+
+
+def _decode_quality(models, methods, token_ids, *, context=QUALITY["context"], continuation=QUALITY["continuation"],
+                    windows=QUALITY["windows"], progress=True) -> dict[str, dict]:
+    """Teacher-forced decoding through each cache (as ``bench kv``): KL and top-1 agreement against the fp32
+    DynamicCache, perplexity and its change (± paired standard error). Windows come from the end of the text, away
+    from the tokens used for speed."""
+    span = context + continuation + 1
+    first = token_ids.numel() - windows * span
+    spans = [token_ids[first + i * span: first + (i + 1) * span] for i in range(windows)]
+    reference_rows, results = None, {}
+    for method in tqdm(methods, desc="decode quality", disable=not progress):  # the reference comes first
+        model, rows, nlls, kls, top1 = models[method.precision], [], [], [], []
+        with torch.inference_mode():
+            for index, window in enumerate(spans):
+                cache = method.make_cache(model)
+                _prefill(model, cache, window[:context])
+                logprobs = torch.stack([torch.log_softmax(_decode_step(model, cache, token), dim=-1)
+                                        for token in window[context:-1]])
+                nlls.append(-logprobs.gather(1, window[context + 1:, None]).squeeze(1).double())
+                rows.append(logprobs)
+                if reference_rows is not None:
+                    reference = reference_rows[index]
+                    kls.append((reference.exp() * (reference - logprobs)).sum(-1).double())
+                    top1.append((reference.argmax(-1) == logprobs.argmax(-1)).double())
+        metrics = _perplexity_metrics(nlls, reference_rows, spans, context)
+        metrics["kl_mean"] = torch.cat(kls).mean().item() if kls else 0.0
+        metrics["top1_agreement"] = torch.cat(top1).mean().item() if top1 else 1.0
+        if reference_rows is None:
+            reference_rows = rows
+        results[method.name] = {k: v for k, v in metrics.items() if not k.startswith("window_")}
+    return results
 
 
 def _prefilled(model, method: DecodeMethod, token_ids, context: int):
@@ -220,16 +257,21 @@ def decode_markdown(results: dict) -> str:
         f"peak resident memory during {results['memory_steps']} decode steps minus resident memory before them",
         f"- {results['environment']['date']}; torch {results['environment']['versions']['torch']}, transformers "
         f"{results['environment']['versions']['transformers']}; {results['seconds']:.0f} s in all",
+        f"- Quality: teacher-forced decoding through each cache, {QUALITY['windows']} windows × ({QUALITY['context']} "
+        f"prefilled + {QUALITY['continuation']} decoded tokens) from the end of the text; KL and top-1 against "
+        f"`{REFERENCE}`; Δppl ± standard error of paired per-window differences",
         "",
-        "| method | " + " | ".join(f"tok/s @{c} (×)" for c in contexts)
+        "| method | KL | top-1 | Δppl % ± se | " + " | ".join(f"tok/s @{c} (×)" for c in contexts)
         + f" | bits/elt held @{longest} | held MiB | transient MiB | shared MiB |",
-        "|---|" + "---|" * (len(contexts) + 4),
+        "|---|" + "---|" * (len(contexts) + 7),
     ]
     for row in results["rows"]:
         cells = [f"{row['speed'][str(c)]['tokens_per_s']:.1f} ({row['speed'][str(c)]['ratio_to_fp32']:.2f}×)"
                  for c in contexts]
-        memory = row["memory"]
-        lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {memory['bits_per_element']:.2f} | "
+        memory, quality = row["memory"], row["quality"]
+        error = quality["delta_ppl_pct_se"]
+        lines.append(f"| {row['method']} | {quality['kl_mean']:.3f} | {quality['top1_agreement']:.3f} | "
+                     f"{quality['delta_ppl_pct']:+.1f} ± {error if error is None else round(error, 1)} | " + " | ".join(cells) + f" | {memory['bits_per_element']:.2f} | "
                      f"{memory['held_mib']:.1f} | {memory['transient_mib']:.1f} | {memory['shared_mib']:.1f} |")
     return "\n".join(lines) + "\n"
 
