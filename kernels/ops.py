@@ -94,13 +94,18 @@ def _coded_attention_cpu(*args):
     return coded_attention_cpu(*args)
 
 
+def _power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
 @coded_attention.register_kernel("cuda")
 def _coded_attention_cuda(*args):
-    if not triton_available():
+    head_dim = args[0].shape[-1]
+    if not triton_available() or head_dim < 32 or not _power_of_two(head_dim):  # shapes the kernel does not tile
         return _reference(*args)
     from .triton_attention import coded_attention_triton
 
-    # The Triton kernel reconstructs in the transform domain (8-dim codewords, tensor-core matmul) and computes the
+    # The Triton kernel reconstructs in the transform domain (8-dim codewords, one small matmul) and computes the
     # rotation from positions in registers: on a GPU, reading precomputed tables would cost more bandwidth than codes.
     return coded_attention_triton(*_without_precomputed(args))
 
@@ -120,7 +125,7 @@ def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor) -> Tenso
 
 @residual_encode.register_kernel("cuda")
 def _residual_encode_cuda(z, codebooks, stage_groups):
-    if not triton_available():
+    if not triton_available() or not (_power_of_two(codebooks.shape[1]) and _power_of_two(codebooks.shape[2])):
         return reference.residual_encode_reference(z, codebooks, stage_groups)
     from .triton_encode import residual_encode_triton
 

@@ -1,11 +1,14 @@
 """Triton kernel: attention over GSRQ-coded keys and values without a full-precision copy of the history.
 
 Each program takes one (batch, KV head), one block of query rows (the GQA heads sharing that KV head, times the
-queries) and one split of the coded tokens. Tokens are processed ``BLOCK_N`` at a time: their codewords are gathered
-from the (L1/L2-resident) codebooks into a transform-domain tile, turned into keys and values by one small matmul with
-the per-head synthesis matrix, rotated (keys coded before RoPE), and consumed at once by an online softmax. Reconstructed
-vectors only ever live in registers. Every split writes a normalized partial output and its log-sum-exp; the host merges
-splits (and the exact sink/window regions) with one log-sum-exp merge.
+queries) and one split of the coded tokens. Tokens are processed ``BLOCK_N`` at a time: their 8-dim codewords are
+gathered from the (L1/L2-resident) codebooks into a transform-domain tile ``z``. Everything linear stays in that
+domain, so the per-head synthesis matrix is applied as rarely as the algebra allows: values accumulate
+``p * scale * z`` and are synthesized once per program; keys coded after RoPE are scored against the query multiplied
+by the synthesis transpose once; only keys coded before RoPE need ``z @ synthesis`` per token (the rotation depends on
+each key's position), done as fp32 `tl.dot` on [BLOCK_N, D] tiles and rotated in registers. Reconstructed vectors never leave
+registers. Every split writes a normalized partial output and its log-sum-exp; the host merges splits (and the exact
+sink/window regions) with one log-sum-exp merge.
 
 Reference: ``coded_attention_reference`` in ``reference.py`` (same arguments, same outputs).
 """
@@ -38,7 +41,7 @@ def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_m
 @triton.jit
 def _coded_attention_kernel(
     q_ptr, key_codes_ptr, key_scales_ptr, value_codes_ptr, value_scales_ptr,
-    key_mean_ptr, key_synthesis_ptr, key_mean_rotated_ptr, key_synthesis_rotated_ptr, key_codebooks_ptr, key_groups_ptr,
+    key_mean_ptr, key_synthesis_ptr, key_codebooks_ptr, key_groups_ptr,
     value_mean_ptr, value_synthesis_ptr, value_codebooks_ptr, value_groups_ptr,
     positions_ptr, inv_freq_ptr, mask_ptr, out_ptr, lse_ptr,
     N, M, LQ, SK, SV, HKV, tokens_per_split, num_splits, scaling, attention_scaling,
@@ -52,23 +55,34 @@ def _coded_attention_kernel(
     head = batch_head % HKV
 
     dims = tl.arange(0, D)
+    halves = tl.arange(0, HALF)
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
-    q = tl.load(q_ptr + (batch_head * M + rows[:, None]) * D + dims[None, :], mask=row_mask[:, None], other=0.0)
+    q_rows = q_ptr + (batch_head * M + rows[:, None]) * D
+    matrix = head * D * D + dims[:, None] * D
 
-    matrix = head * D * D + dims[:, None] * D + dims[None, :]
-    key_synthesis = tl.load(key_synthesis_ptr + matrix)
-    key_mean = tl.load(key_mean_ptr + head * D + dims)
-    value_synthesis = tl.load(value_synthesis_ptr + matrix)
-    value_mean = tl.load(value_mean_ptr + head * D + dims)
     if ROPE:
-        key_synthesis_rotated = tl.load(key_synthesis_rotated_ptr + matrix)
-        key_mean_rotated = tl.load(key_mean_rotated_ptr + head * D + dims)
-        inv_freq = tl.load(inv_freq_ptr + (dims % HALF))
+        # Keys coded before RoPE are rebuilt per token: mean + z @ synthesis, in two halves so that the rotation
+        # (x_lo, x_hi) -> (x_lo cos - x_hi sin, x_hi cos + x_lo sin) needs no permutation of registers.
+        q_lo = tl.load(q_rows + halves[None, :], mask=row_mask[:, None], other=0.0)
+        q_hi = tl.load(q_rows + HALF + halves[None, :], mask=row_mask[:, None], other=0.0)
+        synthesis_lo = tl.load(key_synthesis_ptr + matrix + halves[None, :])
+        synthesis_hi = tl.load(key_synthesis_ptr + matrix + HALF + halves[None, :])
+        mean_lo = tl.load(key_mean_ptr + head * D + halves)
+        mean_hi = tl.load(key_mean_ptr + head * D + HALF + halves)
+        inv_freq = tl.load(inv_freq_ptr + halves)
+    else:
+        # Keys coded after RoPE: q . (mean + z @ synthesis) = q . mean + (q @ synthesis^T) . z, so the synthesis
+        # matrix is applied to the query once instead of to every key.
+        q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
+        key_synthesis = tl.load(key_synthesis_ptr + matrix + dims[None, :])
+        q_transformed = tl.dot(q, tl.trans(key_synthesis), input_precision="ieee")
+        q_mean = tl.sum(q * tl.load(key_mean_ptr + head * D + dims)[None, :], axis=1)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    accumulator = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+    scaled_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of p * value scale: weight of the value mean
+    accumulator = tl.zeros((BLOCK_M, D), dtype=tl.float32)  # values accumulate in the transform domain
 
     start = split * tokens_per_split
     stop = tl.minimum(start + tokens_per_split, N)
@@ -79,15 +93,20 @@ def _coded_attention_kernel(
 
         z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, token_offsets, token_mask, SK, K, GD, D, BLOCK_N)
         key_scale = tl.load(key_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
-        keys = (key_mean[None, :] + tl.dot(z, key_synthesis, input_precision="ieee")) * key_scale[:, None]
         if ROPE:
-            # rotate_half(k) = k @ P for a signed permutation P, folded into the rotated mean/synthesis on the host
-            rotated = (key_mean_rotated[None, :] + tl.dot(z, key_synthesis_rotated, input_precision="ieee")) * key_scale[:, None]
+            keys_lo = mean_lo[None, :] + tl.dot(z, synthesis_lo, input_precision="ieee")
+            keys_hi = mean_hi[None, :] + tl.dot(z, synthesis_hi, input_precision="ieee")
             position = tl.load(positions_ptr + batch * N + tokens, mask=token_mask, other=0).to(tl.float32)
             angle = position[:, None] * inv_freq[None, :]
-            keys = keys * (tl.cos(angle) * attention_scaling) + rotated * (tl.sin(angle) * attention_scaling)
-
-        scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scaling
+            cos = tl.cos(angle) * attention_scaling
+            sin = tl.sin(angle) * attention_scaling
+            rotated_lo = keys_lo * cos - keys_hi * sin
+            rotated_hi = keys_hi * cos + keys_lo * sin
+            scores = tl.dot(q_lo, tl.trans(rotated_lo), input_precision="ieee")
+            scores += tl.dot(q_hi, tl.trans(rotated_hi), input_precision="ieee")
+        else:
+            scores = q_mean[:, None] + tl.dot(q_transformed, tl.trans(z), input_precision="ieee")
+        scores = scores * key_scale[None, :] * scaling  # the scale is linear: applied to the scores
         if HAS_MASK:
             mask_pointers = mask_ptr + (batch * LQ + (rows[:, None] % LQ)) * N + tokens[None, :]
             scores += tl.load(mask_pointers, mask=row_mask[:, None] & token_mask[None, :], other=0.0)
@@ -102,26 +121,21 @@ def _coded_attention_kernel(
 
         zv = _transform_tile(value_codes_ptr, value_codebooks_ptr, value_groups_ptr, token_offsets, token_mask, SV, K, GD, D, BLOCK_N)
         value_scale = tl.load(value_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
-        values = (value_mean[None, :] + tl.dot(zv, value_synthesis, input_precision="ieee")) * value_scale[:, None]
-        accumulator = accumulator * correction[:, None] + tl.dot(probabilities, values, input_precision="ieee")
+        weighted = probabilities * value_scale[None, :]
+        scaled_sum = scaled_sum * correction + tl.sum(weighted, axis=1)
+        accumulator = accumulator * correction[:, None] + tl.dot(weighted, zv, input_precision="ieee")
         running_max = new_max
 
+    # sum_n p_n s_n (mean + z_n @ synthesis) = (sum p s) mean + (sum p s z) @ synthesis: one matmul per program
+    value_synthesis = tl.load(value_synthesis_ptr + matrix + dims[None, :])
+    value_mean = tl.load(value_mean_ptr + head * D + dims)
+    out = scaled_sum[:, None] * value_mean[None, :] + tl.dot(accumulator, value_synthesis, input_precision="ieee")
     visible = running_sum > 0
-    out = accumulator / tl.where(visible, running_sum, 1.0)[:, None]
+    out = out / tl.where(visible, running_sum, 1.0)[:, None]
     lse = tl.where(visible, running_max + tl.log(tl.where(visible, running_sum, 1.0)), float("-inf"))
     partial = (batch_head * num_splits + split) * M + rows
     tl.store(out_ptr + partial[:, None] * D + dims[None, :], out, mask=row_mask[:, None])
     tl.store(lse_ptr + partial, lse, mask=row_mask)
-
-
-def _rotate_half_matrix(dim: int, device) -> torch.Tensor:
-    """``P`` with ``x @ P == rotate_half(x) == cat(-x[half:], x[:half])``."""
-    half = dim // 2
-    matrix = torch.zeros(dim, dim, device=device)
-    index = torch.arange(half, device=device)
-    matrix[index + half, index] = -1.0
-    matrix[index, index + half] = 1.0
-    return matrix
 
 
 def coded_attention_triton(
@@ -139,23 +153,18 @@ def coded_attention_triton(
     if tokens == 0:
         return (torch.zeros(batch, query_heads, query_length, dim, device=device),
                 torch.full((batch, query_heads, query_length), -math.inf, device=device))
-    if dim & (dim - 1) or dim < 16:
-        raise ValueError(f"the Triton GSRQ attention needs a power-of-two head_dim >= 16, got {dim}.")
+    if dim & (dim - 1) or dim < 32:  # tl.dot tiles are at least 16 wide, and keys are rebuilt in two halves
+        raise ValueError(f"the Triton GSRQ attention needs a power-of-two head_dim >= 32, got {dim}.")
     q = query.float().reshape(batch, kv_heads, rows, dim).contiguous()
     block_m = max(16, triton.next_power_of_2(rows)) if rows <= 64 else 64
     if tokens_per_split is None:  # enough splits to fill the device at batch 1, each a whole number of blocks
         tokens_per_split = max(block_n, triton.cdiv(triton.cdiv(tokens, 64), block_n) * block_n)
     num_splits = triton.cdiv(tokens, tokens_per_split)
     rope = positions is not None
-    key_synthesis = key_synthesis.float().contiguous()
     if rope:
-        rotation = _rotate_half_matrix(dim, device)
-        key_synthesis_rotated = (key_synthesis @ rotation).contiguous()
-        key_mean_rotated = (key_mean.float() @ rotation).contiguous()
         positions = positions.to(torch.int32).contiguous()
         inv_freq = inv_freq.float().contiguous()
     else:
-        key_synthesis_rotated, key_mean_rotated = key_synthesis, key_mean.float()
         positions = inv_freq = torch.zeros(1, device=device)
     mask_tensor = mask.float().contiguous() if mask is not None else torch.zeros(1, device=device)
     out = torch.empty(batch * kv_heads * num_splits * rows, dim, device=device)
@@ -163,7 +172,7 @@ def coded_attention_triton(
     grid = (batch * kv_heads, num_splits, triton.cdiv(rows, block_m))
     _coded_attention_kernel[grid](
         q, key_codes.contiguous(), key_scales.contiguous(), value_codes.contiguous(), value_scales.contiguous(),
-        key_mean.float().contiguous(), key_synthesis, key_mean_rotated, key_synthesis_rotated,
+        key_mean.float().contiguous(), key_synthesis.float().contiguous(),
         key_codebooks.float().contiguous(), key_stage_groups.to(torch.int32).contiguous(),
         value_mean.float().contiguous(), value_synthesis.float().contiguous(), value_codebooks.float().contiguous(),
         value_stage_groups.to(torch.int32).contiguous(),
