@@ -72,7 +72,7 @@ def coded_attention_cpu(
                 cos, sin = reference.rotary_tables(positions[:, start:end], inv_freq, attention_scaling)
             else:
                 cos, sin = rotary_cos[:, start:end], rotary_sin[:, start:end]
-            keys = reference._rotate(keys, cos[:, None], sin[:, None])
+            keys = _rotate_in_place(keys, cos[:, None], sin[:, None])
             # the rotation is linear, so the per-token scale can be applied to the scores afterwards
             torch.mul(q @ keys.transpose(-1, -2), key_scales[:, :, None, start:end], out=scores[..., start:end])
     scores *= scaling
@@ -83,6 +83,16 @@ def coded_attention_cpu(
     out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
                                       value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``keys * cos + rotate_half(keys) * sin``, overwriting ``keys``. Same result as the reference's rotation; it
+    allocates one temporary instead of four, which matters on CPU: multi-megabyte temporaries are page-faulted in
+    afresh whenever the allocator hands them back to the OS (measured 0.1 ms vs up to 1.9 ms per 2048-token chunk)."""
+    half = keys.shape[-1] // 2
+    rotated = keys.roll(half, dims=-1)  # (x_hi, x_lo)
+    rotated[..., :half].neg_()  # rotate_half(x) = (-x_hi, x_lo)
+    return keys.mul_(cos).add_(rotated.mul_(sin))
 
 
 def _flat_index(codes: torch.Tensor, per_table: int, size: int) -> torch.Tensor:
