@@ -8,8 +8,6 @@ matrix), and one ``scatter_add_`` builds the value histogram. Larger query block
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 

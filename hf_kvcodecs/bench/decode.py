@@ -18,6 +18,7 @@ import copy
 import ctypes
 import ctypes.util
 import gc
+import os
 import statistics
 import threading
 import time
@@ -205,10 +206,7 @@ def _timed_steps(model, cache, token_ids, start: int, steps: int) -> list[float]
 
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * _PAGE_SIZE
-
-
-_PAGE_SIZE = __import__("os").sysconf("SC_PAGE_SIZE")
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _release_free_heap() -> None:

@@ -69,10 +69,6 @@ def register_cache_implementation(name: str, factory: Callable) -> None:
     _wrap_prepare_cache(generation_mixin)
 
 
-def factory_of(implementation: str):
-    return CACHE_IMPLEMENTATIONS[implementation]
-
-
 def _wrap_prepare_cache(generation_mixin) -> None:
     original = generation_mixin._prepare_cache_for_generation
     if getattr(original, _PATCH_MARKER, None) is CACHE_IMPLEMENTATIONS:
@@ -97,7 +93,7 @@ def _wrap_prepare_cache(generation_mixin) -> None:
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
             cache_kwargs = copy.deepcopy(generation_config.cache_config) if generation_config.cache_config else {}
-            if cache_kwargs.get("attention", "auto") != "dequantize" and getattr(factory_of(implementation), "reads_codes", False):
+            if cache_kwargs.get("attention", "auto") != "dequantize" and getattr(CACHE_IMPLEMENTATIONS[implementation], "reads_codes", False):
                 from .attention import enable_code_attention
 
                 enable_code_attention(self)
