@@ -1,9 +1,13 @@
 """Fast CPU implementation of ``hf_kvcodecs::coded_attention`` for decoding (few query rows per KV head).
 
-Same contract and math as ``coded_attention_reference``; it differs only in which PyTorch primitives do the work, to
-suit a CPU: one ``embedding_bag`` does all the table reads of a step (table lookups for keys coded after RoPE, or the
-reconstruction of keys coded before RoPE from ``key_table``, the per-head codebooks already multiplied by the synthesis
-matrix), and one ``scatter_add_`` builds the value histogram. Larger query blocks (prefill) go to the reference.
+Same contract and math as ``coded_attention_reference``; it differs only in how the work is done, to suit a CPU:
+* keys coded before RoPE (the default): the compiled loops of ``cpu_native.cpp`` rebuild each key from ``key_table``
+  (the per-head codebooks already multiplied by the synthesis matrix), rotate it and dot it with the queries, one
+  token at a time; without a compiler, one ``embedding_bag`` per chunk rebuilds the keys and PyTorch ops do the rest;
+* keys coded after RoPE: one ``embedding_bag`` over query-codebook lookup tables;
+* values: a histogram of probability x scale per codeword (compiled loops, or one ``scatter_add_``), multiplied by
+  the codebooks once.
+Larger query blocks (prefill) go to the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference
+from .cpu_native import native_ops
 
 CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogram sources) whatever the context
 
@@ -43,8 +48,19 @@ def coded_attention_cpu(
     size = key_codebooks.shape[1]
     q = query.float().reshape(batch, kv_heads, rows, dim)
     key_scales = key_scales.float()
+    native = native_ops()
 
-    if positions is None:
+    if positions is not None and native is not None:
+        if key_table is None:
+            key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
+        if rotary_cos is None:
+            rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
+        scores = native.prerope_scores(
+            q.contiguous(), key_codes.contiguous(), key_scales.contiguous(), key_table.float().contiguous(),
+            key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), size,
+            float(scaling),
+        )
+    elif positions is None:
         # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
         constant, table = reference._key_lookup_tables(q, key_mean, key_synthesis, key_codebooks, key_stage_groups)
         table = table.transpose(-1, -2).reshape(batch * kv_heads * key_stages * size, rows)
@@ -73,13 +89,21 @@ def coded_attention_cpu(
             keys = _rotate_in_place(keys, cos[:, None], sin[:, None])
             # the rotation is linear, so the per-token scale can be applied to the scores afterwards
             torch.mul(q @ keys.transpose(-1, -2), key_scales[:, :, None, start:end], out=scores[..., start:end])
-    scores *= scaling
+    if positions is None or native is None:
+        scores *= scaling  # (the compiled loops apply it per token)
     if mask is not None:
         scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
-    out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
-                                      value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
+    if native is not None:
+        histogram, weight_sum = native.value_histogram(
+            probabilities.contiguous(), value_codes.contiguous(), value_scales.float().contiguous(), value_codebooks.shape[1]
+        )
+        out = reference.values_from_histogram(histogram, weight_sum, value_mean, value_synthesis, value_codebooks,
+                                              value_stage_groups)
+    else:
+        out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
+                                          value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 

@@ -2,10 +2,13 @@
 
 Every op has one definition and several implementations, picked by the dispatcher from the tensors' device:
     default (any device without a kernel)  the readable PyTorch reference in ``reference.py``
-    "cpu"                                  ``cpu.py`` for attention (same math, CPU-friendly primitives), else reference
+    "cpu"                                  ``cpu.py`` for attention (same math, CPU-friendly primitives; its hot loops
+                                           compiled from ``cpu_native.cpp`` on first use when a C++ compiler is
+                                           available), else reference
     "cuda"                                 the Triton kernels when Triton is installed, else the reference
     fake (Meta)                            output shapes only, for torch.compile / meta tensors
-Set ``HF_KVCODECS_KERNELS=reference`` to force the reference everywhere (e.g. to compare or debug).
+Set ``HF_KVCODECS_KERNELS=reference`` to force the reference everywhere (e.g. to compare or debug), or
+``HF_KVCODECS_KERNELS=pytorch`` to keep ``cpu.py`` on PyTorch ops only (no compiled code).
 """
 
 from __future__ import annotations
@@ -27,13 +30,18 @@ def triton_available() -> bool:
 
 
 def backend_for(device: torch.device) -> str:
-    """Which attention implementation the ops use for tensors on ``device``: "triton", "cpu" or "reference"."""
+    """Which attention implementation the ops use for tensors on ``device``: "triton", "cpu-native" (compiled
+    loops, ``cpu_native.cpp``), "cpu" (PyTorch ops, ``cpu.py``) or "reference"."""
     kind = torch.device(device).type
     if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
         return "reference"
     if kind == "cuda":
         return "triton" if triton_available() else "reference"
-    return "cpu" if kind == "cpu" else "reference"
+    if kind == "cpu":
+        from .cpu_native import native_ops
+
+        return "cpu-native" if native_ops() is not None else "cpu"
+    return "reference"
 
 
 @torch.library.custom_op(f"{LIBRARY}::coded_attention", mutates_args=())
@@ -65,7 +73,8 @@ def coded_attention(
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
     ``cpu.folded_key_table``) and ``rotary_cos``/``rotary_sin`` (``[B, N, D]``, scaled, for the coded tokens'
-    positions: the same for every layer of a step, so the cache computes them once).
+    positions, in transformers' rotate-half layout where both halves of a row are equal: the same for every layer of
+    a step, so the cache computes them once).
     """
     return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
                       key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,

@@ -169,8 +169,7 @@ def _lookup_scores(tables, codes):
 
 def _histogram_values(probabilities, codes, scales, mean, synthesis, codebooks, stage_groups, chunk_tokens):
     batch, kv_heads, rows, tokens = probabilities.shape
-    stages, size, group_dim = codebooks.shape
-    dim = mean.shape[-1]
+    stages, size, _ = codebooks.shape
     weights = probabilities * scales.float()[:, :, None, :]  # p_n * s_n
     histogram = torch.zeros(batch, kv_heads, rows, stages * size, device=probabilities.device)
     stage_offsets = torch.arange(stages, device=codes.device) * size
@@ -179,13 +178,20 @@ def _histogram_values(probabilities, codes, scales, mean, synthesis, codebooks, 
         flat = (codes[:, :, start:end].long() + stage_offsets).reshape(batch, kv_heads, 1, -1)
         source = weights[..., start:end, None].expand(-1, -1, -1, -1, stages).reshape(batch, kv_heads, rows, -1)
         histogram.scatter_add_(-1, flat.expand(-1, -1, rows, -1), source)
+    return values_from_histogram(histogram, weights.sum(-1), mean, synthesis, codebooks, stage_groups)
+
+
+def values_from_histogram(histogram, weight_sum, mean, synthesis, codebooks, stage_groups):
+    """Attention output ``[B, Hkv, M, D]`` from the value histogram ``[B, Hkv, M, S*K]`` (sum of ``p_n * s_n`` per
+    stage and codeword) and ``weight_sum`` ``[B, Hkv, M]`` (sum of ``p_n * s_n``): the codebooks are read once."""
+    batch, kv_heads, rows, _ = histogram.shape
+    stages, size, group_dim = codebooks.shape
+    dim = mean.shape[-1]
     per_stage = torch.einsum("bhmsk,skg->bhmsg", histogram.reshape(batch, kv_heads, rows, stages, size), codebooks.float())
-    z = torch.zeros(batch, kv_heads, rows, dim // group_dim, group_dim, device=probabilities.device)
+    z = torch.zeros(batch, kv_heads, rows, dim // group_dim, group_dim, device=histogram.device)
     z.index_add_(3, stage_groups.long(), per_stage)
     z = z.reshape(batch, kv_heads, rows, dim)
-    return weights.sum(-1, keepdim=True) * mean.float()[None, :, None, :] + torch.einsum(
-        "bhmd,hde->bhme", z, synthesis.float()
-    )
+    return weight_sum[..., None] * mean.float()[None, :, None, :] + torch.einsum("bhmd,hde->bhme", z, synthesis.float())
 
 
 # ---- merging partial attentions -----------------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 float64 dequantize-then-attend computation. Error budgets are relative to plain PyTorch's error in the same dtype."""
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
 
 from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
 from hf_kvcodecs.kernels.cpu import coded_attention_cpu, folded_key_table
+from hf_kvcodecs.kernels.cpu_native import build_error, native_ops
 
 triton = pytest.importorskip("triton")
 from hf_kvcodecs.kernels.triton_attention import coded_attention_triton  # noqa: E402
@@ -79,12 +82,69 @@ def dequantize_then_attend(problem, dtype):
     return (torch.softmax(scores, dim=-1) @ values).double(), lse
 
 
+def cpu_with(kernels: str):
+    """The CPU implementation with HF_KVCODECS_KERNELS set to ``kernels`` ("auto": compiled loops; "pytorch": none)."""
+
+    def run(*args):
+        previous = os.environ.get("HF_KVCODECS_KERNELS")
+        os.environ["HF_KVCODECS_KERNELS"] = kernels
+        try:
+            return coded_attention_cpu(*(list(args[:13]) + [None, None, None] + list(args[13:])))
+        finally:
+            if previous is None:
+                del os.environ["HF_KVCODECS_KERNELS"]
+            else:
+                os.environ["HF_KVCODECS_KERNELS"] = previous
+
+    return run
+
+
 def implementations():
     return {
         "reference": lambda *a: reference.coded_attention_reference(*a),
-        "cpu": lambda *a: coded_attention_cpu(*(list(a[:13]) + [None, None, None] + list(a[13:]))),
+        "cpu-native": cpu_with("auto"),
+        "cpu-pytorch": cpu_with("pytorch"),
         "triton": lambda *a: coded_attention_triton(*a, block_n=16, tokens_per_split=32),
     }
+
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                    reason="no C++ compiler on this machine")
+
+
+@needs_compiler
+def test_compiled_cpu_loops_build_and_are_used():
+    assert native_ops() is not None, build_error()
+    assert backend_for("cpu") == "cpu-native"
+
+
+def test_a_failed_build_falls_back_to_pytorch_ops_and_says_so(monkeypatch, caplog):
+    from hf_kvcodecs.kernels import cpu_native
+
+    def no_compiler():
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpu_native, "_state", {})
+    monkeypatch.setattr(cpu_native, "_load", no_compiler)
+    with caplog.at_level("WARNING", logger="hf_kvcodecs.kernels.cpu_native"):
+        assert cpu_native.native_ops() is None
+        assert cpu_native.native_ops() is None  # tried once, not on every call
+    assert caplog.text.count("could not be built") == 1 and "c++: command not found" in caplog.text
+    assert backend_for("cpu") == "cpu" and isinstance(cpu_native.build_error(), RuntimeError)
+    problem = make_problem(rope=True)
+    out, _ = coded_attention_cpu(*op_arguments(problem))
+    expected, _ = reference.coded_attention_reference(*arguments(problem))
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dim", [48, 64, 128])
+def test_compiled_cpu_loops_match_reference_for_any_even_head_dim(dim):
+    # 64 and 128 take the vectorized loops, 48 the generic one; both rotary halves and GQA rows are exercised.
+    problem = make_problem(dim=dim, group_count=3, tokens=300, stages=4, size=32, rope=True)
+    expected, expected_lse = reference.coded_attention_reference(*arguments(problem))
+    out, lse = cpu_with("auto")(*arguments(problem))
+    assert torch.allclose(out, expected, atol=1e-5) and torch.allclose(lse, expected_lse, atol=1e-5)
 
 
 SHAPES = [
@@ -143,7 +203,7 @@ def test_cpu_key_table_is_a_prefix_shared_with_higher_rates():
 
 def test_op_dispatches_to_cpu_implementation_and_has_meta_shapes(monkeypatch):
     problem = make_problem(rope=True)
-    assert backend_for("cpu") == "cpu" and backend_for("cuda") in ("triton", "reference")
+    assert backend_for("cpu") in ("cpu-native", "cpu") and backend_for("cuda") in ("triton", "reference")
     out, lse = coded_attention(*op_arguments(problem))
     expected, _ = coded_attention_cpu(*op_arguments(problem))
     assert torch.equal(out, expected)

@@ -1,0 +1,244 @@
+// Fused CPU loops for decode-time attention over GSRQ codes (compiled on first use by kernels/cpu_native.py).
+//
+// Same math as kernels/reference.py; what the PyTorch CPU path (kernels/cpu.py) does with a chain of ops and
+// multi-megabyte temporaries, these loops do per token with the vector in a stack buffer:
+//   prerope_scores    key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted with
+//                     every query row of its KV head, times the token's scale and the softmax scaling;
+//   value_histogram   probability x value scale added into one bin per (stage, codeword), per query row.
+// Both split the tokens of every (batch, KV head) into blocks run in parallel on torch's intra-op threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlockTokens = 256;
+constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kPrefetchDistance = 4;
+
+// A 16-float vector in GCC/Clang's vector extension: compiled to whatever SIMD -march=native offers (one AVX-512
+// register, two AVX2 ones, ...). Loop-based code left the compiler emitting scalar adds for these loops.
+typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // aligned(4): loads need no 64-byte alignment
+constexpr int64_t kLanes = 16;
+
+inline Vec16 load(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
+inline float horizontal_sum(Vec16 v) {
+  float total = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) total += v[l];
+  return total;
+}
+
+// head_dim a multiple of 32 (both rotary halves whole vectors), known at compile time.
+template <int64_t kDim>
+void prerope_scores_block_vec(const float* q, const uint8_t* codes, const float* scales, const float* table,
+                              const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
+                              int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
+                              float scaling) {
+  constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
+  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
+  Vec16 mean_blocks[kBlocks];
+  for (int64_t b = 0; b < kBlocks; ++b) mean_blocks[b] = load(mean + b * kLanes);
+  constexpr int64_t kLineFloats = 64 / sizeof(float);
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* token_codes = codes + t * stages;
+    // The per-layer tables do not stay in cache between decode steps and rows are read at random: ask for the
+    // rows of a token a few tokens ahead so their memory latency overlaps with this token's arithmetic.
+    if (t + kPrefetchDistance < end) {
+      const uint8_t* ahead = codes + (t + kPrefetchDistance) * stages;
+      for (int64_t s = 0; s < stages; ++s) {
+        const float* row = table + (s * codebook_size + ahead[s]) * kDim;
+        for (int64_t offset = 0; offset < kDim; offset += kLineFloats) __builtin_prefetch(row + offset);
+      }
+    }
+    Vec16 key[kBlocks];
+    for (int64_t b = 0; b < kBlocks; ++b) key[b] = mean_blocks[b];
+    for (int64_t s = 0; s < stages; ++s) {
+      const float* row = table + (s * codebook_size + token_codes[s]) * kDim;
+      for (int64_t b = 0; b < kBlocks; ++b) key[b] += load(row + b * kLanes);
+    }
+    // Only the first half of each rotary row is read: in the rotate-half convention both halves hold the same angles.
+    const float* c = cos + t * kDim;
+    const float* n = sin + t * kDim;
+    Vec16 rotated[kBlocks];
+    for (int64_t b = 0; b < kHalf; ++b) {
+      const Vec16 low = key[b], high = key[b + kHalf];
+      const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
+      rotated[b] = low * cb - high * sb;
+      rotated[b + kHalf] = high * cb + low * sb;
+    }
+    const float factor = scales[t] * scaling;
+    for (int64_t m = 0; m < rows; ++m) {
+      const float* qm = q + m * kDim;
+      Vec16 acc = rotated[0] * load(qm);
+      for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
+      out[m * tokens + t] = horizontal_sum(acc) * factor;
+    }
+  }
+}
+
+// Any even head_dim up to kMaxHeadDim.
+void prerope_scores_block(const float* q, const uint8_t* codes, const float* scales, const float* table,
+                          const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
+                          int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
+                          float scaling, int64_t dim) {
+  const int64_t half = dim / 2;
+  float key[kMaxHeadDim];
+  float rotated[kMaxHeadDim];
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* token_codes = codes + t * stages;
+    for (int64_t d = 0; d < dim; ++d) key[d] = mean[d];
+    for (int64_t s = 0; s < stages; ++s) {
+      const float* row = table + (s * codebook_size + token_codes[s]) * dim;
+      for (int64_t d = 0; d < dim; ++d) key[d] += row[d];
+    }
+    const float* c = cos + t * dim;
+    const float* n = sin + t * dim;
+    for (int64_t d = 0; d < half; ++d) {
+      rotated[d] = key[d] * c[d] - key[d + half] * n[d];
+      rotated[d + half] = key[d + half] * c[d] + key[d] * n[d];
+    }
+    const float factor = scales[t] * scaling;
+    for (int64_t m = 0; m < rows; ++m) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += q[m * dim + d] * rotated[d];
+      out[m * tokens + t] = dot * factor;
+    }
+  }
+}
+
+void check(bool condition, const char* message) { TORCH_CHECK(condition, "hf_kvcodecs cpu_native: ", message); }
+
+// q [B, H, M, D] f32; codes [B, H, N, S] u8; scales [B, H, N] f32; table [H, R, D] f32 (R >= S * K);
+// mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores [B, H, M, N] f32
+at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& table, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                          int64_t codebook_size, double scaling) {
+  check(q.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && table.dim() == 3 && mean.dim() == 2 &&
+            cos.dim() == 3 && sin.dim() == 3,
+        "unexpected ranks");
+  for (const auto* t : {&q, &scales, &mean, &cos, &sin}) {
+    check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+          "float tensors must be contiguous float32 on CPU");
+  }
+  check(table.scalar_type() == at::kFloat && table.is_contiguous(), "the key table must be contiguous float32");
+  check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  const int64_t tokens = codes.size(2), stages = codes.size(3);
+  check(dim % 2 == 0 && dim <= kMaxHeadDim, "head_dim must be even and at most 512");
+  check(codes.size(0) == batch && codes.size(1) == heads, "codes do not match the query's batch and heads");
+  check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match codes");
+  check(table.size(0) == heads && table.size(2) == dim && table.size(1) >= stages * codebook_size,
+        "key table too small for these codes");
+  check(mean.size(0) == heads && mean.size(1) == dim, "mean does not match heads/head_dim");
+  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
+        "rotary tables do not match the coded tokens");
+  auto out = at::empty({batch, heads, rows, tokens}, q.options());
+  const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mean.data_ptr<float>();
+  const float* cosp = cos.data_ptr<float>();
+  const float* sinp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t table_rows = table.size(1);
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t bh = item / blocks, block = item % blocks;
+      const int64_t b = bh / heads, h = bh % heads;
+      const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
+      const float* qi = qp + bh * rows * dim;
+      const uint8_t* ci = cp + bh * tokens * stages;
+      const float* si = sp + bh * tokens;
+      const float* mi = mp + h * dim;
+      const float* cosi = cosp + b * tokens * dim;
+      const float* sini = sinp + b * tokens * dim;
+      float* oi = op + bh * rows * tokens;
+      const float* ti = table.const_data_ptr<float>() + h * table_rows * dim;
+      if (dim == 64) {
+        prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin,
+                                     end, scale);
+      } else if (dim == 128) {
+        prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin,
+                                      end, scale);
+      } else {
+        prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin, end,
+                             scale, dim);
+      }
+    }
+  });
+  return out;
+}
+
+// probabilities [B, H, M, N] f32; codes [B, H, N, S] u8; scales [B, H, N] f32
+//   -> histogram [B, H, M, S * K] f32 (sum of p * scale per stage and codeword), weight sum [B, H, M] f32
+std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabilities, const at::Tensor& codes,
+                                                   const at::Tensor& scales, int64_t codebook_size) {
+  check(probabilities.dim() == 4 && codes.dim() == 4 && scales.dim() == 3, "unexpected ranks");
+  check(probabilities.scalar_type() == at::kFloat && probabilities.is_contiguous(),
+        "probabilities must be contiguous float32");
+  check(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous float32");
+  check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  const int64_t batch = probabilities.size(0), heads = probabilities.size(1), rows = probabilities.size(2);
+  const int64_t tokens = probabilities.size(3), stages = codes.size(3);
+  check(codes.size(0) == batch && codes.size(1) == heads && codes.size(2) == tokens, "codes do not match");
+  check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match");
+  const int64_t bins = stages * codebook_size;
+  // One private histogram per token range (as many ranges per head as threads): no two threads add into the same
+  // bins, and few histograms to zero and sum at the end.
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), (tokens + kBlockTokens - 1) / kBlockTokens));
+  const int64_t block_tokens = (tokens + blocks - 1) / blocks;
+  // Bins outermost, query rows innermost: one token's rows add into one cache line per stage.
+  auto partial = at::zeros({batch * heads, blocks, bins, rows}, probabilities.options());
+  auto partial_weights = at::zeros({batch * heads, blocks, rows}, probabilities.options());
+  const float* pp = probabilities.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* hp = partial.data_ptr<float>();
+  float* wp = partial_weights.data_ptr<float>();
+  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> weight(rows);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t bh = item / blocks, block = item % blocks;
+      const int64_t begin = block * block_tokens, end = std::min(tokens, begin + block_tokens);
+      float* histogram = hp + item * rows * bins;
+      float* weight_sum = wp + item * rows;
+      const float* pi = pp + bh * rows * tokens;
+      for (int64_t t = begin; t < end; ++t) {
+        const float scale = sp[bh * tokens + t];
+        for (int64_t m = 0; m < rows; ++m) {
+          weight[m] = pi[m * tokens + t] * scale;
+          weight_sum[m] += weight[m];
+        }
+        const uint8_t* token_codes = cp + (bh * tokens + t) * stages;
+        for (int64_t s = 0; s < stages; ++s) {
+          const int64_t bin = s * codebook_size + token_codes[s];
+          float* counts = histogram + bin * rows;
+          for (int64_t m = 0; m < rows; ++m) counts[m] += weight[m];
+        }
+      }
+    }
+  });
+  return {partial.sum(1).reshape({batch, heads, bins, rows}).transpose(2, 3),
+          partial_weights.sum(1).reshape({batch, heads, rows})};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
+  m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor table, Tensor mean, Tensor cos, Tensor sin, "
+        "int codebook_size, float scaling) -> Tensor");
+  m.def("value_histogram(Tensor probabilities, Tensor codes, Tensor scales, int codebook_size) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {
+  m.impl("prerope_scores", &prerope_scores);
+  m.impl("value_histogram", &value_histogram);
+}
