@@ -40,7 +40,7 @@ def cmd_calibrate(args) -> int:
     codebooks = calibrate_gsrq(
         loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,
         weighted=not args.unweighted, transform=args.transform, metric=args.metric, key_space=args.key_space,
-        group_dim=args.group_dim,
+        group_dim=args.group_dim, scale_bits=args.scale_bits,
         num_windows=args.windows, seed=args.seed, out=args.out,
     )
     summary = {
@@ -137,7 +137,7 @@ def _add_compress_command(commands) -> None:
     compress.add_argument("--mode", default="packed", choices=["packed", "fake"],
                           help="'fake': float weights with fake quantization, for quantization-aware training")
     compress.add_argument("--kv", default="gsrq", choices=["gsrq", "none"], help="KV cache compression")
-    compress.add_argument("--kv-bits", type=float, default=2.0, help="GSRQ bits per KV element (incl. fp16 scale)")
+    compress.add_argument("--kv-bits", type=float, default=2.0, help="GSRQ bits per KV element (incl. the scale)")
     compress.add_argument("--calibration-text", nargs="+", default=None,
                           help="KV calibration text: files, a built-in corpus, datasets:NAME[:CONFIG]:SPLIT (default: python-docs)")
     compress.add_argument("--calibration-windows", type=int, default=32)
@@ -236,7 +236,7 @@ def cmd_demo(args) -> int:
         print(f"| {name} | {bits_held:.2f} | {seconds:.1f} | {agreement:.0%} |")
     for name, *_, text in rows:
         print(f"\n--- {name}\n{text.strip()}")
-    print("\nbits/element: bytes held by the cache's tensors (codes, fp16 scales, exact window and sink tokens, "
+    print("\nbits/element: bytes held by the cache's tensors (codes, scales, exact window and sink tokens, "
           "position ledger) / (tokens x layers x 2 x kv_heads x head_dim); codebooks (shared, per model) excluded.")
     return 0
 
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="fit GSRQ codebooks for a model and save them")
     _add_model_arguments(calibrate)
     calibrate.add_argument("--out", required=True, type=Path)
-    calibrate.add_argument("--bits", type=float, default=2.0, help="highest bits/element (incl. fp16 scale) to serve")
+    calibrate.add_argument("--bits", type=float, default=2.0, help="highest bits/element (incl. the scale) to serve")
     calibrate.add_argument("--learner", default=DEFAULT_LEARNER, choices=sorted(CODEBOOK_LEARNERS))
     calibrate.add_argument("--unweighted", action="store_true", help="do not weight samples by their squared scale")
     calibrate.add_argument("--transform", default="pca", choices=["pca", "none"])
@@ -264,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
     calibrate.add_argument("--group-dim", type=int, default=8)
+    calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
+                           help="per-vector scale: 8-bit log-uniform levels (default) or fp16")
     calibrate.add_argument("--windows", type=int, default=32, help="512-token windows of calibration text")
     calibrate.add_argument("--calibration-text", "--text", nargs="+", default=None,
                            help="files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT (default: python-docs)")

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_kvcodecs  # noqa: F401  (registers cache_implementation="gsrq")
 from hf_kvcodecs.calibration import fit_gsrq_codebooks
 
-TINY_BITS = 3.0  # head_dim 16, 8-dim groups, 256-word codebooks: (3*16-16)/8 = 4 stages
+TINY_BITS = 3.0  # head_dim 16, 8-dim groups, 256-word codebooks, 8-bit scales: (3*16-8)/8 = 5 stages
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:

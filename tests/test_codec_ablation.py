@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_kvcodecs.bench.codec_ablation import ablation_markdown, run_codec_ablation, vector_metrics
-from hf_kvcodecs.codecs.residual import stages_for_rate
+from hf_kvcodecs.codecs.residual import FP16_SCALE_BITS, stages_for_rate
 from hf_kvcodecs.codecs.kmeans import CODEBOOK_LEARNERS
 
 VOCAB, HEAD_DIM, KV_HEADS = 128, 32, 2
@@ -45,11 +45,13 @@ def results(tmp_path_factory):
 
 
 def test_stages_for_rate_pays_for_the_scale_first():
-    assert stages_for_rate(1.0, 64, 8) == 6  # (64 - 16) / 8
-    assert stages_for_rate(2.0, 64, 8) == 14  # (128 - 16) / 8
-    assert stages_for_rate(1.1, 64, 8) == 6  # 54.4 index bits: a partial stage is not counted
+    assert stages_for_rate(1.0, 64, 8) == 7  # (64 - 8) / 8 with the default 8-bit scale
+    assert stages_for_rate(2.0, 64, 8) == 15  # (128 - 8) / 8
+    assert stages_for_rate(1.0, 64, 8, FP16_SCALE_BITS) == 6  # (64 - 16) / 8
+    assert stages_for_rate(2.0, 64, 8, FP16_SCALE_BITS) == 14  # (128 - 16) / 8
+    assert stages_for_rate(1.1, 64, 8, FP16_SCALE_BITS) == 6  # 54.4 index bits: a partial stage is not counted
     with pytest.raises(ValueError, match="scale"):
-        stages_for_rate(0.2, 64, 8)
+        stages_for_rate(0.2, 64, 8, FP16_SCALE_BITS)
 
 
 def test_vector_metrics_on_a_known_shrinkage():
@@ -82,8 +84,8 @@ def test_rows_cover_both_studies(results):
 
 def test_metrics_are_sane_and_more_bits_help(results):
     low, high = (f"{b:g}" for b in BITS)
-    assert results["settings"]["stages"] == {low: stages_for_rate(BITS[0], HEAD_DIM, CODEBOOK_BITS),
-                                             high: stages_for_rate(BITS[1], HEAD_DIM, CODEBOOK_BITS)}
+    assert results["settings"]["stages"] == {low: stages_for_rate(BITS[0], HEAD_DIM, CODEBOOK_BITS, FP16_SCALE_BITS),
+                                             high: stages_for_rate(BITS[1], HEAD_DIM, CODEBOOK_BITS, FP16_SCALE_BITS)}
     for row in results["rows"]:
         for kind, cells in row["metrics"].items():
             for rate, cell in cells.items():

@@ -50,7 +50,7 @@ def test_layer_checks_head_shape_without_a_config(tiny_codebooks_dir):
 
 
 def test_rate_above_what_was_calibrated(tiny_codebooks_dir):
-    with pytest.raises(ValueError, match="calibrated with 4.*hf-kvcodecs calibrate --bits 8"):
+    with pytest.raises(ValueError, match="calibrated with 5.*hf-kvcodecs calibrate --bits 8"):
         GSRQCache(codebooks=tiny_codebooks_dir, bits=8)
     with pytest.raises(ValueError, match="below the lowest rate"):
         GSRQCache(codebooks=tiny_codebooks_dir, bits=0.5)
@@ -114,3 +114,33 @@ def test_round_trip_preserves_codecs(tiny_codebooks_dir):
     again = GSRQCodebooks.load(tiny_codebooks_dir)
     torch.testing.assert_close(codebooks.key_codecs[1].reconstruct(x), again.key_codecs[1].reconstruct(x))
     assert codebooks.calibration["text"]["description"].startswith("random token ids")
+
+
+def test_scale_bits_that_disagree_with_the_tensors(tiny_codebooks_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    tensors = load_file(str(target / TENSORS_FILE))
+    save_file({k: v for k, v in tensors.items() if not k.endswith("log_scale_range")}, str(target / TENSORS_FILE))
+    with pytest.raises(CodebookFileError, match="16-bit scales where the config says 8.*re-run calibrate"):
+        GSRQCodebooks.load(target)
+
+
+def test_version_1_files_with_fp16_scales_still_load_and_run(tiny_model, tiny_token_stream, tmp_path):
+    from hf_kvcodecs.calibration.gsrq import fit_gsrq_codebooks
+
+    directory = tmp_path / "v1"
+    fit_gsrq_codebooks(
+        tiny_model, tiny_token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},
+        bits=2.0, window_tokens=128, sampled_tokens_per_window=64, num_windows=4, holdout_windows=1, n_iter=2,
+        fit_rows=512, scale_bits=16, out=directory, progress=False,
+    )
+    metadata = json.loads((directory / METADATA_FILE).read_text())
+    metadata["format_version"] = 1  # written before 8-bit scales existed: no scale_bits in the config
+    del metadata["config"]["scale_bits"]
+    (directory / METADATA_FILE).write_text(json.dumps(metadata))
+    codebooks = GSRQCodebooks.load(directory)
+    assert codebooks.scale_bits == 16 and codebooks.stages_for_bits(2.0) == (2 * 16 - 16) // 8
+    cache = GSRQCache(tiny_model.config, codebooks=codebooks, window_length=1, flush_interval=1, num_sink_tokens=0)
+    tiny_model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+    assert cache.layers[0].key_scales.dtype == torch.float16 and cache.layers[0].key_codes.shape[-2] > 0

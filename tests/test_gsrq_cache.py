@@ -225,7 +225,7 @@ def test_memory_held_after_prefill_is_codes_plus_exact_tokens(tiny_model, tiny_c
         tiny_model(ids, cache=cache)
     shared = shared_storages(cache, GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED))
     lengths = cache.layers[0].region_lengths()
-    stages = cache.layers[0].key_codec.num_stages
-    per_layer = 2 * 2 * (lengths["codes"] * (stages + 2) + (lengths["sinks"] + lengths["window"]) * 16 * 4)
+    stages, scale_bytes = cache.layers[0].key_codec.num_stages, cache.layers[0].key_codec.scale_bits // 8
+    per_layer = 2 * 2 * (lengths["codes"] * (stages + scale_bytes) + (lengths["sinks"] + lengths["window"]) * 16 * 4)
     expected = 2 * per_layer + 200 * 4  # two layers, plus one int32 position per token in the shared ledger
     assert cache_bytes(cache, excluding=shared) == expected

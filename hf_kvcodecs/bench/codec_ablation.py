@@ -36,7 +36,7 @@ from ..cache.rope import find_rotary_parameters
 from ..calibration.collect import KVSamples, collect_kv_samples
 from ..codecs.kmeans import CODEBOOK_LEARNERS
 from ..codecs.residual import (
-    SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse, stages_for_rate,
+    FP16_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse, stages_for_rate,
 )
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -113,7 +113,8 @@ def run_codec_ablation(
     layers, bits, seeds = tuple(int(layer) for layer in layers), tuple(float(b) for b in bits), tuple(seeds)
     if not set(layers) <= set(range(fingerprint["num_hidden_layers"])):
         raise ValueError(f"layers {layers} are not all in 0..{fingerprint['num_hidden_layers'] - 1}.")
-    stages = {b: stages_for_rate(b, head_dim, codebook_bits) for b in bits}
+    # The ablation compares learners and layouts at fixed index bits: fp16 scales, as when it was first run.
+    stages = {b: stages_for_rate(b, head_dim, codebook_bits, FP16_SCALE_BITS) for b in bits}
 
     rope = find_rotary_parameters(model)
     corpora, samples = {}, {}
@@ -150,7 +151,7 @@ def run_codec_ablation(
         "settings": {
             "layers": list(layers), "bits_per_element": list(bits), "seeds": list(seeds),
             "stages": {_label(b): s for b, s in stages.items()}, "codebook_bits": codebook_bits,
-            "scale_bits": SCALE_BITS, "window_tokens": window_tokens,
+            "scale_bits": FP16_SCALE_BITS, "window_tokens": window_tokens,
             "sampled_tokens_per_window": sampled_tokens_per_window, "torch_threads": torch.get_num_threads(),
         },
         "corpora": corpora,
@@ -228,7 +229,7 @@ class _Measurer:
                     codec = fit_transform_residual_vq(
                         calibration, max_stages=max(self.stages.values()), group_dim=config.group_dim,
                         codebook_bits=self.codebook_bits, learner=config.learner, weighted=config.weighted,
-                        transform=config.transform, seed=seed,
+                        transform=config.transform, scale_bits=FP16_SCALE_BITS, seed=seed,
                     )
                     for b in self.bits:
                         reconstruction = codec.truncated(self.stages[b]).reconstruct(evaluation)
@@ -240,7 +241,7 @@ class _Measurer:
         return {"name": config.name, "config": asdict(config), "metrics": metrics}
 
     def _aggregate(self, per_seed: dict, reference: float, bits: float) -> dict:
-        cell = {"bits_per_element": (self.stages[bits] * self.codebook_bits + SCALE_BITS) / self.head_dim}
+        cell = {"bits_per_element": (self.stages[bits] * self.codebook_bits + FP16_SCALE_BITS) / self.head_dim}
         for metric in ("relative_mse", "cosine", "norm_ratio"):
             seed_means = [sum(layer[metric] for layer in layers) / len(layers) for layers in per_seed.values()]
             cell[metric] = sum(seed_means) / len(seed_means)

@@ -12,7 +12,7 @@ from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .harness import CacheMethod, evaluate_methods, shipped_baselines
 from .report import write_reports
 
-GSRQ_RATES = (1.0, 2.0)  # bits per KV element, fp16 scales included
+GSRQ_RATES = (1.0, 2.0)  # bits per KV element, scales included
 GSRQ_LEARNERS = {DEFAULT_LEARNER: "gsrq", "l2": "l2-rvq"}  # learner -> family label in reports
 
 # Full-run and quick-run measurement settings (quick: a smoke test of the whole pipeline in a few minutes).

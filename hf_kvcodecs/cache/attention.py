@@ -62,7 +62,8 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     on_cpu = query.device.type == "cpu"
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     coded = coded_attention(
-        query, layer.key_codes, layer.key_scales, layer.value_codes, layer.value_scales,
+        query, layer.key_codes, key_codec.scale_values(layer.key_scales), layer.value_codes,
+        value_codec.scale_values(layer.value_scales),
         *key_codec.attention_operands(), *value_codec.attention_operands(),
         key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,

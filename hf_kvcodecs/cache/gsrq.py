@@ -2,7 +2,8 @@
 
 Per layer, tokens live in three append-only regions, in order:
     sinks    the first ``num_sink_tokens`` tokens, exact (attention sinks)
-    codes    uint8 residual-VQ indices + fp16 scales per token and head; a token is encoded once, never again
+    codes    uint8 residual-VQ indices + one scale per token and head (8-bit log level, or fp16 with older
+             codebooks); a token is encoded once, never again
     window   the most recent ``window_length`` .. ``window_length + flush_interval`` tokens, exact
 When the window grows past ``window_length + flush_interval`` tokens, its oldest tokens are encoded and moved to the
 codes. Keys are coded before RoPE when the codebooks say so: the cache undoes RoPE with the token's own position and
@@ -140,7 +141,8 @@ class GSRQLayer(CacheLayerMixin):
         self.window_keys, self.window_values = empty((dim,), self.dtype), empty((dim,), self.dtype)
         self.key_codes = empty((self.key_codec.num_stages,), torch.uint8)
         self.value_codes = empty((self.value_codec.num_stages,), torch.uint8)
-        self.key_scales, self.value_scales = empty((), torch.float16), empty((), torch.float16)
+        self.key_scales = empty((), self.key_codec.scale_dtype)
+        self.value_scales = empty((), self.value_codec.scale_dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -439,6 +441,6 @@ class GSRQCache(Cache):
         self.ledger.forget_angles()
 
     def bits_per_element(self) -> dict[str, float]:
-        """Nominal rate of the coded region (indices + fp16 scales), per element, for keys and values."""
+        """Nominal rate of the coded region (indices + scales), per element, for keys and values."""
         layer = self.layers[0]
         return {"keys": layer.key_codec.bits_per_element(), "values": layer.value_codec.bits_per_element()}

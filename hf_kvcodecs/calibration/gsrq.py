@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from ..cache.rope import find_rotary_parameters
 from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
-from ..codecs.residual import SCALE_BITS, fit_transform_residual_vq, stages_for_rate, gaussian_rate_distortion_reference, relative_mse
+from ..codecs.residual import LOG_SCALE_BITS, fit_transform_residual_vq, stages_for_rate, gaussian_rate_distortion_reference, relative_mse
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
 from .collect import collect_kv_samples
@@ -47,6 +47,7 @@ def fit_gsrq_codebooks(
     key_space: str = "pre_rope",
     group_dim: int = 8,
     codebook_bits: int = 8,
+    scale_bits: int = LOG_SCALE_BITS,
     window_tokens: int = 512,
     sampled_tokens_per_window: int = 256,
     num_windows: int = 32,
@@ -69,7 +70,7 @@ def fit_gsrq_codebooks(
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
-    max_stages = max(1, stages_for_rate(bits, head_dim, codebook_bits))
+    max_stages = max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits))
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
     if token_ids.numel() < needed:
@@ -91,7 +92,7 @@ def fit_gsrq_codebooks(
     )
     collected = time.perf_counter()
     fit_settings = dict(max_stages=max_stages, group_dim=group_dim, codebook_bits=codebook_bits, learner=learner,
-                        weighted=weighted, transform=transform, n_iter=n_iter, fit_rows=fit_rows)
+                        weighted=weighted, transform=transform, scale_bits=scale_bits, n_iter=n_iter, fit_rows=fit_rows)
     key_codecs, value_codecs, per_layer = [], [], []
     train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
     test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
@@ -119,7 +120,8 @@ def fit_gsrq_codebooks(
     mean = lambda key: sum(p[key] for p in per_layer) / len(per_layer)  # noqa: E731
     config = {
         "learner": learner, "weighted": weighted, "transform": transform, "metric": metric, "key_space": key_space,
-        "group_dim": group_dim, "codebook_bits": codebook_bits, "max_stages": max_stages, "max_bits": bits,
+        "group_dim": group_dim, "codebook_bits": codebook_bits, "scale_bits": scale_bits, "max_stages": max_stages,
+        "max_bits": bits,
         "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
     }
     calibration = {
@@ -128,7 +130,7 @@ def fit_gsrq_codebooks(
         "sampled_tokens_per_layer": int(train_keys[0].shape[1]), "holdout_windows": holdout.windows,
         "seconds_collecting": collected - started, "seconds_fitting": finished - collected,
         "seconds_total": finished - started,
-        "bits_per_element_at_max": (max_stages * codebook_bits + SCALE_BITS) / head_dim,
+        "bits_per_element_at_max": (max_stages * codebook_bits + scale_bits) / head_dim,
         "holdout_mean": {k: mean(k) for k in per_layer[0]},
         "holdout_per_layer": per_layer,
     }

@@ -8,7 +8,7 @@ import logging
 import os
 from pathlib import Path
 
-from ..codecs.gsrq_codebooks import CodebookFileError, GSRQCodebooks
+from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..models import LoadedModel, model_fingerprint
 from .gsrq import calibrate_gsrq
@@ -26,7 +26,9 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
 
     Returns ``(codebooks, directory, reused)``.
     """
-    identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text, **settings}
+    # The format version is part of the key: codebooks stored by an older codec are refitted, not silently reused.
+    identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
+                "format_version": FORMAT_VERSION, **settings}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"

@@ -10,10 +10,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .residual import SCALE_BITS, TransformResidualVQ, stages_for_rate
+from .residual import FP16_SCALE_BITS, TransformResidualVQ, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range")
+READABLE_VERSIONS = (1, 2)  # version 1 files have fp16 scales
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -27,7 +28,7 @@ class CodebookFileError(ValueError):
 class GSRQCodebooks:
     key_codecs: list[TransformResidualVQ]
     value_codecs: list[TransformResidualVQ]
-    config: dict  # fit settings: learner, weighted, transform, group_dim, codebook_bits, key_space, max_stages, seed
+    config: dict  # fit settings: learner, weighted, transform, group_dim, codebook_bits, scale_bits, key_space, max_stages, seed
     fingerprint: dict  # models.model_fingerprint of the calibrated model
     calibration: dict = field(default_factory=dict)  # text used, sample counts, time, measured errors
     rope_inv_freq: torch.Tensor | None = None  # needed when key_space == "pre_rope"
@@ -56,16 +57,20 @@ class GSRQCodebooks:
     def head_dim(self) -> int:
         return self.key_codecs[0].head_dim
 
+    @property
+    def scale_bits(self) -> int:
+        return int(self.config.get("scale_bits", FP16_SCALE_BITS))
+
     def max_bits_per_element(self) -> float:
         return min(c.bits_per_element() for c in self.key_codecs + self.value_codecs)
 
     def stages_for_bits(self, bits: float) -> int:
-        """Number of stages whose indices plus the fp16 scale fit in ``bits`` per element."""
+        """Number of stages whose indices plus the per-vector scale fit in ``bits`` per element."""
         codebook_bits = int(self.config["codebook_bits"])
-        lowest = (SCALE_BITS + codebook_bits) / self.head_dim
+        lowest = (self.scale_bits + codebook_bits) / self.head_dim
         if bits < lowest - 1e-9:
             raise ValueError(f"bits={bits} is below the lowest rate these codebooks offer ({lowest:.3f} bits/element).")
-        stages = stages_for_rate(bits, self.head_dim, codebook_bits)
+        stages = stages_for_rate(bits, self.head_dim, codebook_bits, self.scale_bits)
         available = min(c.num_stages for c in self.key_codecs + self.value_codecs)
         if stages > available:
             raise ValueError(
@@ -131,10 +136,10 @@ class GSRQCodebooks:
             raise CodebookFileError(f"{metadata_path} is not valid JSON ({error}); the file is corrupt: re-run calibrate.") from error
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise CodebookFileError(f"{metadata_path} is not a GSRQ codebook file (format={metadata.get('format') if isinstance(metadata, dict) else None!r}).")
-        if metadata.get("format_version") != FORMAT_VERSION:
+        if metadata.get("format_version") not in READABLE_VERSIONS:
             raise CodebookFileError(
-                f"{metadata_path} has format_version={metadata.get('format_version')}, this hf_kvcodecs reads version "
-                f"{FORMAT_VERSION}. Upgrade hf_kvcodecs or re-run calibrate."
+                f"{metadata_path} has format_version={metadata.get('format_version')}, this hf_kvcodecs reads versions "
+                f"{list(READABLE_VERSIONS)}. Upgrade hf_kvcodecs or re-run calibrate."
             )
         try:
             tensors = load_file(str(tensors_path))
@@ -183,7 +188,15 @@ def _validate_codec(codec: TransformResidualVQ, config: dict, path) -> None:
     if codec.stage_groups.numel() != codec.num_stages or (codec.stage_groups.numel() and (
         int(codec.stage_groups.min()) < 0 or int(codec.stage_groups.max()) >= dim // int(config["group_dim"]))):
         problems.append("stage_groups out of range")
+    scale_bits = int(config.get("scale_bits", FP16_SCALE_BITS))
+    if codec.scale_bits != scale_bits:
+        problems.append(f"{codec.scale_bits}-bit scales where the config says {scale_bits}")
+    elif codec.log_scale_range is not None and (
+        tuple(codec.log_scale_range.shape) != (heads, 2) or not bool((codec.log_scale_range[:, 0] < codec.log_scale_range[:, 1]).all())
+    ):
+        problems.append(f"log_scale_range {tuple(codec.log_scale_range.shape)} is not [{heads}, 2] with low < high")
     checked = (codec.mean, codec.basis, codec.codebooks) + (() if codec.synthesis is None else (codec.synthesis,))
+    checked += () if codec.log_scale_range is None else (codec.log_scale_range,)
     if not all(torch.isfinite(t).all() for t in checked):
         problems.append("non-finite values")
     if problems:

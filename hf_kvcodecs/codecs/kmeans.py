@@ -149,22 +149,27 @@ def _principal_shapes(x, w, assign, k, previous):
     d = x.shape[1]
     outer = (w[:, None, None] * x[:, :, None] * x[:, None, :]).reshape(-1, d * d)
     moments = _weighted_sums(assign, outer, k).reshape(k, d, d)
-    _, vectors = torch.linalg.eigh(moments)
+    # Unit trace first (same eigenvectors): LAPACK's eigh returns NaNs for tiny matrices (~1e-16 entries, as a late
+    # residual stage produces); a cluster whose moments still give non-finite vectors keeps its previous direction.
+    trace = moments.diagonal(dim1=1, dim2=2).sum(-1)
+    _, vectors = torch.linalg.eigh(moments / trace.clamp_min(1e-30)[:, None, None])
     top = vectors[:, :, -1]
+    usable = torch.isfinite(top).all(dim=1) & (trace > 0)
     means = _weighted_sums(assign, w[:, None] * x, k)
     sign = torch.sign((top * means).sum(dim=1))
     sign[sign == 0] = 1
     top = top * sign[:, None]
     counts = torch.bincount(assign, minlength=k)
     prev_dirs = previous / previous.norm(dim=1, keepdim=True).clamp_min(_EPS)
-    return torch.where((counts > 0)[:, None], top, prev_dirs)
+    return torch.where(((counts > 0) & usable)[:, None], top.nan_to_num(0.0), prev_dirs)
 
 
 def _reseed_empty(x, w, codebook, empty):
     """Move each empty codeword onto one of the samples that are currently worst served."""
     assign = nearest_codeword(x, codebook)
     errors = w * ((x - codebook[assign]) ** 2).sum(dim=1)
-    worst = torch.topk(errors, int(empty.sum()), largest=True).indices
+    count = int(empty.sum())
+    worst = torch.topk(errors, min(count, x.shape[0]), largest=True).indices
     codebook = codebook.clone()
-    codebook[empty] = x[worst]
+    codebook[empty] = x[worst[torch.arange(count, device=worst.device) % worst.numel()]]  # fewer samples: repeat
     return codebook

@@ -1,7 +1,8 @@
 """Transform-coded residual vector quantization of per-head KV vectors (the GSRQ codec).
 
 A head vector ``x`` (``[d]``) is coded as
-    s   = rms(x)                                 per-token, per-head scale, stored in fp16
+    s   = rms(x)                                 per-token, per-head scale: 8 bits, log-uniform in a per-head range
+                                                 fitted at calibration (``scale_bits=8``, the default), or fp16
     z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled),
                                                  optionally in a metric-whitened space (see ``metric`` below)
     z is split into groups of ``group_dim`` consecutive components; the codec is an ordered list of *stages*,
@@ -23,7 +24,12 @@ from tqdm.auto import tqdm
 from ..kernels import residual_encode
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 
-SCALE_BITS = 16  # the per-token-per-head scale is stored as fp16
+FP16_SCALE_BITS = 16
+LOG_SCALE_BITS = 8
+SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
+# Octaves added below and above the calibration samples' scale range: held-out tokens a little outside it are still
+# coded without clamping, at a step of ~0.05 octave (a 3.5 % scale step, ~1e-4 relative MSE) for a typical range.
+LOG_SCALE_MARGIN = 1.0
 _EPS = 1e-8
 
 
@@ -38,6 +44,7 @@ class TransformResidualVQ:
     group_dim: int
     stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
     synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
+    log_scale_range: torch.Tensor | None = None  # [H, 2] log2 (low, high) of 8-bit scales; None: fp16 scales
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
     _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
@@ -59,12 +66,25 @@ class TransformResidualVQ:
     def codebook_bits(self) -> int:
         return int(math.log2(self.codebooks.shape[1]))
 
+    @property
+    def scale_bits(self) -> int:
+        return FP16_SCALE_BITS if self.log_scale_range is None else LOG_SCALE_BITS
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """How the cache stores a scale: fp16, or the uint8 index of a log-uniform level."""
+        return torch.float16 if self.log_scale_range is None else torch.uint8
+
     def code_bits_per_vector(self) -> int:
         return self.num_stages * self.codebook_bits
 
     def bits_per_element(self) -> float:
-        """Index bits plus the fp16 scale, per KV element."""
-        return (self.code_bits_per_vector() + SCALE_BITS) / self.head_dim
+        """Index bits plus the scale, per KV element."""
+        return (self.code_bits_per_vector() + self.scale_bits) / self.head_dim
+
+    def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
+        """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""
+        return dequantize_scales(stored, self.log_scale_range)
 
     def truncated(self, num_stages: int) -> "TransformResidualVQ":
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
@@ -72,7 +92,7 @@ class TransformResidualVQ:
             raise ValueError(f"num_stages must be in [0, {self.num_stages}], got {num_stages}.")
         prefix = TransformResidualVQ(
             self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats,
-            self.synthesis,
+            self.synthesis, self.log_scale_range,
         )
         prefix._table_source = self._table_source or self  # lower rates read a prefix of the same decode table
         return prefix
@@ -82,21 +102,22 @@ class TransformResidualVQ:
         return TransformResidualVQ(
             move(self.mean), move(self.basis), self.stage_groups.to(device), move(self.codebooks), self.group_dim, self.stats,
             None if self.synthesis is None else move(self.synthesis),
+            None if self.log_scale_range is None else self.log_scale_range.to(device),
         )
 
     # ---- coding ---------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, scales ``[H, N]`` fp16)."""
+        """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, stored scales ``[H, N]``: :attr:`scale_dtype`)."""
         self._check_input(x)
-        scales = _rms(x).to(torch.float16)
-        z = self._analyze(x.float(), scales.float())
+        scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
+        z = self._analyze(x.float(), scale_values)  # coded relative to the scale the decoder will use
         num_heads, n, dim = z.shape
         # hf_kvcodecs::residual_encode: Triton kernel on CUDA, kernels/reference.py elsewhere
         codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups)
         return codes.reshape(num_heads, n, self.num_stages), scales
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-        """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` scales -> ``[H, N, D]``."""
+        """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
         num_heads, n, num_codes = codes.shape
         if num_codes != self.num_stages:
             raise ValueError(f"Got {num_codes} codes per vector but the codec has {self.num_stages} stages.")
@@ -107,7 +128,7 @@ class TransformResidualVQ:
             # One fused gather-and-sum over all stages instead of a Python loop of gathers and slice-adds.
             z = F.embedding_bag((codes.long() + offsets).reshape(-1, num_codes), table, mode="sum")
             z = z.reshape(num_heads, n, self.head_dim)
-        return self._synthesize(z, scales.to(self.codebooks.dtype)).to(dtype)
+        return self._synthesize(z, self.scale_values(scales).to(self.codebooks.dtype)).to(dtype)
 
     def _decode_table(self):
         """Codebooks placed at their group's slice of the full transform-domain vector: ``[S*K, D]`` plus offsets.
@@ -176,6 +197,8 @@ class TransformResidualVQ:
         }
         if self.synthesis is not None:
             tensors[f"{prefix}.synthesis"] = self.synthesis.contiguous()
+        if self.log_scale_range is not None:
+            tensors[f"{prefix}.log_scale_range"] = self.log_scale_range.contiguous()
         return tensors
 
     @classmethod
@@ -188,7 +211,33 @@ class TransformResidualVQ:
             group_dim,
             stats or {},
             tensors[f"{prefix}.synthesis"].float() if f"{prefix}.synthesis" in tensors else None,
+            tensors[f"{prefix}.log_scale_range"].float() if f"{prefix}.log_scale_range" in tensors else None,
         )
+
+
+def quantize_scales(rms: torch.Tensor, log_scale_range: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored scales, their values) for per-vector RMS ``[H, N]``: fp16, or with ``log_scale_range`` (``[H, 2]``)
+    the uint8 index of the nearest of 256 log-uniform levels (clamped to the range)."""
+    if log_scale_range is None:
+        stored = rms.to(torch.float16)
+        return stored, stored.float()
+    low, high = log_scale_range[:, :1].to(rms.device), log_scale_range[:, 1:].to(rms.device)
+    position = (torch.log2(rms.float()) - low) / (high - low) * (2**LOG_SCALE_BITS - 1)
+    stored = position.round_().clamp_(0, 2**LOG_SCALE_BITS - 1).to(torch.uint8)
+    return stored, dequantize_scales(stored, log_scale_range)
+
+
+def dequantize_scales(stored: torch.Tensor, log_scale_range: torch.Tensor | None) -> torch.Tensor:
+    """Values of stored scales ``[..., H, N]`` (fp16 ones are returned as they are)."""
+    if stored.dtype != torch.uint8:
+        return stored
+    if log_scale_range is None:
+        raise ValueError("8-bit scales need the codec's log_scale_range.")
+    low, high = log_scale_range[:, :1].to(stored.device), log_scale_range[:, 1:].to(stored.device)
+    steps = torch.arange(2**LOG_SCALE_BITS, device=stored.device, dtype=torch.float32) / (2**LOG_SCALE_BITS - 1)
+    levels = torch.exp2(low + (high - low) * steps)  # [H, 256]
+    heads = torch.arange(levels.shape[0], device=stored.device)[:, None]
+    return levels[heads, stored.long()]
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -205,6 +254,7 @@ def fit_transform_residual_vq(
     weighted: bool = True,
     transform: str = "pca",
     metric: torch.Tensor | None = None,
+    scale_bits: int = LOG_SCALE_BITS,
     n_iter: int = 15,
     fit_rows: int = 16384,
     seed: int = 0,
@@ -219,6 +269,10 @@ def fit_transform_residual_vq(
     ``metric`` (``[H, D, D]``, symmetric positive semi-definite) makes every error ``e`` count as ``e^T M e`` instead
     of ``|e|^2``: the vectors are whitened by ``M^(1/2)`` before the PCA, so fitting and stage allocation spend bits
     where the model is sensitive (e.g. ``W_o^T W_o`` for values: the error after the output projection).
+
+    ``scale_bits`` is 8 (log-uniform levels between the samples' smallest and largest scale per head, widened by
+    ``LOG_SCALE_MARGIN`` octaves each side; the 8 bits saved on every vector buy another stage at the same rate) or
+    16 (fp16). The codec is fitted on vectors divided by their *stored* scale, as it will code them.
     """
     if samples.ndim != 3:
         raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
@@ -227,8 +281,16 @@ def fit_transform_residual_vq(
         raise ValueError(f"group_dim={group_dim} must divide head_dim={head_dim}.")
     if not 1 <= codebook_bits <= 8:
         raise ValueError(f"codebook_bits must be in 1..8 (codes are stored as uint8), got {codebook_bits}.")
+    if scale_bits not in SCALE_BIT_CHOICES:
+        raise ValueError(f"scale_bits must be one of {SCALE_BIT_CHOICES}, got {scale_bits!r}.")
     x = samples.float()
-    scales = _rms(x)
+    log_scale_range = None
+    if scale_bits == LOG_SCALE_BITS:
+        log_rms = torch.log2(_rms(x))  # [H, N]
+        log_scale_range = torch.stack(
+            [log_rms.min(dim=1).values - LOG_SCALE_MARGIN, log_rms.max(dim=1).values + LOG_SCALE_MARGIN], dim=1
+        )
+    scales = quantize_scales(_rms(x), log_scale_range)[1]
     normalized = x / scales[..., None]
     root, inverse_root = _metric_roots(metric, num_heads, head_dim)
     if transform == "pca":
@@ -248,7 +310,7 @@ def fit_transform_residual_vq(
 
     codec = TransformResidualVQ(
         mean, basis, torch.zeros(0, dtype=torch.long), torch.zeros(0, 2**codebook_bits, group_dim), group_dim,
-        synthesis=synthesis,
+        synthesis=synthesis, log_scale_range=log_scale_range,
     )
     groups = head_dim // group_dim
     weights = (scales**2 if weighted else torch.ones_like(scales)).reshape(-1)  # [H*N]
@@ -288,7 +350,7 @@ def fit_transform_residual_vq(
     codec.stage_groups = torch.tensor(stage_groups, dtype=torch.long)
     codec.codebooks = torch.stack(codebooks) if codebooks else codec.codebooks
     codec.stats = {"stages": stage_stats, "learner": learner, "weighted": weighted, "transform": transform,
-                   "metric": metric is not None}
+                   "metric": metric is not None, "scale_bits": scale_bits}
     return codec
 
 
@@ -309,13 +371,13 @@ def _metric_roots(metric, num_heads: int, head_dim: int):
     return root.float(), inverse_root.float()
 
 
-def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int) -> int:
-    """Residual stages that fit in ``bits_per_element`` once the fp16 scale of each head vector is paid for."""
-    index_bits = bits_per_element * head_dim - SCALE_BITS
+def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int, scale_bits: int = LOG_SCALE_BITS) -> int:
+    """Residual stages that fit in ``bits_per_element`` once the scale of each head vector is paid for."""
+    index_bits = bits_per_element * head_dim - scale_bits
     if index_bits < 0:
         raise ValueError(
-            f"{bits_per_element} bits per element is less than the fp16 scale alone costs "
-            f"({SCALE_BITS / head_dim:.3f} bits per element at head_dim {head_dim})."
+            f"{bits_per_element} bits per element is less than the {scale_bits}-bit scale alone costs "
+            f"({scale_bits / head_dim:.3f} bits per element at head_dim {head_dim})."
         )
     return math.floor(index_bits / codebook_bits + 1e-9)
 
