@@ -441,6 +441,10 @@ def _teacher_forced(model, method, plan, reference_logprobs, warm_cache):
             [torch.log_softmax(_decode_step(model, cache, token_id), dim=-1) for token_id in continuation]
         )
         if window_index == 0:
+            # Again after decoding: per-model tables built lazily by the first decode step (e.g. code-reading
+            # attention's folded key tables) are reachable from the warm-up cache too, so they count as shared.
+            shared = shared_storages(cache, warm_cache)
+            memory["shared_bytes"] = sum(shared.values())
             memory["after_decode"] = _memory_point(
                 cache, context_len + len(continuation), shared, plan.elements_per_token
             )

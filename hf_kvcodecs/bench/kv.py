@@ -7,6 +7,7 @@ from pathlib import Path
 from ..cache import GSRQCache
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..calibration.store import ensure_codebooks
+from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .harness import CacheMethod, evaluate_methods, shipped_baselines
@@ -26,7 +27,12 @@ QUICK_CALIBRATION = dict(num_windows=4, holdout_windows=1, n_iter=4, fit_rows=20
 def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), text=None, store=None,
                  window_length: int = 32, flush_interval: int = 32, num_sink_tokens: int = 4,
                  calibration: dict | None = None, progress: bool = True) -> list[CacheMethod]:
-    """One calibration per learner at the highest rate (lower rates are prefixes), one method per (learner, rate)."""
+    """One calibration per learner at the highest rate (lower rates are prefixes), one method per (learner, rate).
+
+    The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
+    measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
+    """
+    attention_path = "codes" if enable_code_attention(loaded.model) else "dequantize"
     methods = []
     for learner in learners:
         codebooks, directory, reused = ensure_codebooks(
@@ -43,7 +49,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
                 nominal_bits=bits,
                 extra={
                     "learner": learner, "bits": bits, "window_length": window_length, "flush_interval": flush_interval,
-                    "num_sink_tokens": num_sink_tokens, "codebooks": str(directory),
+                    "num_sink_tokens": num_sink_tokens, "codebooks": str(directory), "attention": attention_path,
                     "calibration_seconds": round(codebooks.calibration["seconds_total"], 1),
                     "calibration_reused": reused, "calibration_text": codebooks.calibration["text"]["description"],
                     "holdout_relative_mse": codebooks.calibration["holdout_mean"] if bits == max(rates) else None,

@@ -328,7 +328,8 @@ class GSRQCache(Cache):
         codebooks: a directory written by ``hf-kvcodecs calibrate`` / ``calibrate_gsrq``, or a ``GSRQCodebooks``.
             Required: without fitted codebooks there is nothing sensible to quantize with, so this raises instead of
             silently falling back to full precision.
-        bits: bits per KV element including the fp16 scale (index bits + 16/head_dim); default 2.0.
+        bits: bits per KV element including the per-vector scale (index bits + 8/head_dim, or 16/head_dim with
+            fp16-scale codebooks); default 2.0.
         key_bits, value_bits: per-tensor overrides of ``bits``.
         window_length: recent tokens kept exact (plus up to ``flush_interval`` more between flushes).
         flush_interval: how many tokens accumulate beyond the window before they are encoded together.

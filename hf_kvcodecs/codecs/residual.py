@@ -28,7 +28,8 @@ FP16_SCALE_BITS = 16
 LOG_SCALE_BITS = 8
 SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
 # Octaves added below and above the calibration samples' scale range: held-out tokens a little outside it are still
-# coded without clamping, at a step of ~0.05 octave (a 3.5 % scale step, ~1e-4 relative MSE) for a typical range.
+# coded without clamping. On the default model the widened ranges span 2.5-6.4 octaves, a step of at most 0.025 octave
+# (1.8 % in scale, ~3e-5 relative MSE: negligible next to the 1e-2 of the vector code).
 LOG_SCALE_MARGIN = 1.0
 _EPS = 1e-8
 
