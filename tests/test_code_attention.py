@@ -120,3 +120,23 @@ def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
 def test_invalid_attention_choice_is_rejected(tiny_codebooks_dir):
     with pytest.raises(ValueError, match="attention must be one of"):
         GSRQCache(codebooks=tiny_codebooks_dir, attention="fast")
+
+
+@pytest.mark.parametrize("path", ["dequantize", "codes"])
+def test_new_tokens_are_attended_exact_and_encoded_afterwards(model, tiny_codebooks_dir, path):
+    """A prefill attends to its own tokens in full precision (as DynamicCache does): its logits are DynamicCache's,
+    although by the end of the call most of those tokens are stored as codes. A chunk appended later attends to the
+    earlier chunk's codes, so its logits differ from DynamicCache's."""
+    enable_code_attention(model)
+    ids = _prompt(batch=2, length=70)
+    cache = GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention=path, **CODED)
+    reference_cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        got = model(ids[:, :60], cache=cache).logits
+        expected = model(ids[:, :60], cache=reference_cache).logits
+        assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+        assert cache.layers[-1].region_lengths() == {"sinks": 2, "codes": 54, "window": 4}
+        later = model(ids[:, 60:], cache=cache).logits
+        later_reference = model(ids[:, 60:], cache=reference_cache).logits
+    assert cache.layers[0].region_lengths() == {"sinks": 2, "codes": 64, "window": 4}  # 4 + 10 new tokens, 10 flushed
+    assert (later - later_reference).abs().max() > 1e-3
