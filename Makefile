@@ -25,7 +25,7 @@ test: setup
 	$(BIN)/python -m pytest -q tests
 
 bench: setup
-	$(BIN)/hf-kvcodecs bench kv --threads 2 --out benchmarks/results
+	$(BIN)/hf-kvcodecs bench kv --threads 2 --seeds 0 1 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench memory --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench codec --threads 1 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench decode --threads 2 --out benchmarks/results

@@ -60,7 +60,7 @@ def cmd_bench_kv(args) -> int:
 
     loaded = _load(args)
     results = run_kv_benchmark(loaded, out=args.out, text=args.text or None, calibration_text=_calibration_text(args),
-                               quick=args.quick, store=args.codebook_store)
+                               quick=args.quick, seeds=args.seeds, store=args.codebook_store)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -282,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--calibration-text", nargs="+", default=None, help="calibration text (default: python-docs)")
     kv.add_argument("--codebook-store", type=Path, default=None, help="where calibrated codebooks are kept and reused")
     kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
+    kv.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="calibration seeds: GSRQ is calibrated and measured once per seed and learner")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

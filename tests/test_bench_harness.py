@@ -305,3 +305,17 @@ def test_write_reports(results, tmp_path):
     reference_row = next(row for row in table if row.startswith("| fp32 DynamicCache"))
     assert "32.00" in reference_row and "(1.00×)" in reference_row
     assert paths["plot"].stat().st_size > 10_000
+
+
+def test_seed_spread_summarises_methods_measured_with_several_calibration_seeds():
+    from hf_kvcodecs.bench.report import _seed_spread
+
+    def entry(seed, kl, ppl, correct, learner="gskm-principal", bits=2.0):
+        return {"name": f"GSRQ seed {seed}", "family": "gsrq", "extra": {"seed": seed, "learner": learner, "bits": bits},
+                "perplexity": {"kl_mean": kl, "delta_ppl_pct": ppl}, "passkey": {"correct": correct, "trials": 18}}
+
+    lines = _seed_spread([entry(0, 0.10, 12.0, 5), entry(1, 0.08, 8.0, 9), entry(0, 0.4, 70.0, 0, bits=1.0),
+                          {"name": "fp32", "family": "full precision", "extra": {}}])
+    rows = [line for line in lines if line.startswith("| gsrq")]
+    assert rows == ["| gsrq | gskm-principal | 2 | 0, 1 | 0.09 (0.08 – 0.1) | +10.0 (+8.0 – +12.0) | 5/18, 9/18 |"]
+    assert _seed_spread([entry(0, 0.1, 1.0, 1)]) == []  # one seed: nothing to summarise

@@ -24,31 +24,40 @@ QUICK = dict(context_len=256, continuation_len=16, n_windows=1, greedy_prompts=1
 QUICK_CALIBRATION = dict(num_windows=4, holdout_windows=1, n_iter=4, fit_rows=2048)
 
 
-def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), text=None, store=None,
-                 window_length: int = 32, flush_interval: int = 32, num_sink_tokens: int = 4,
+def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), seeds=(0,), text=None,
+                 store=None, window_length: int = 32, flush_interval: int = 32, num_sink_tokens: int = 4,
                  calibration: dict | None = None, progress: bool = True) -> list[CacheMethod]:
-    """One calibration per learner at the highest rate (lower rates are prefixes), one method per (learner, rate).
+    """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
+    (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
+    luck of one k-means run.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
     """
+    if not seeds:
+        raise ValueError("seeds must name at least one calibration seed.")
     attention_path = "codes" if enable_code_attention(loaded.model) else "dequantize"
     methods = []
-    for learner in learners:
+    for learner, seed in ((learner, seed) for learner in learners for seed in seeds):
+        # Seed 0 is calibrate's default; passing it explicitly would change the store key of a single-seed run.
+        seed_setting = {"seed": seed} if seed else {}
         codebooks, directory, reused = ensure_codebooks(
-            loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates), **(calibration or {})
+            loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates),
+            **seed_setting, **(calibration or {}),
         )
         for bits in rates:
             cache_settings = dict(codebooks=codebooks, bits=bits, window_length=window_length,
                                   flush_interval=flush_interval, num_sink_tokens=num_sink_tokens)
-            label = f"GSRQ ({learner} codebooks)" if learner.startswith("gskm") else "same codec, l2 k-means codebooks"
+            seed_label = f", seed {seed}" if len(seeds) > 1 else ""
+            label = (f"GSRQ ({learner} codebooks{seed_label})" if learner.startswith("gskm")
+                     else f"same codec, l2 k-means codebooks{seed_label}")
             methods.append(CacheMethod(
                 name=f"{label} {bits:g}-bit",
                 make_cache=lambda model, s=cache_settings: GSRQCache(model.config, **s),
                 family=GSRQ_LEARNERS.get(learner, learner),
                 nominal_bits=bits,
                 extra={
-                    "learner": learner, "bits": bits, "window_length": window_length, "flush_interval": flush_interval,
+                    "learner": learner, "seed": seed, "bits": bits, "window_length": window_length, "flush_interval": flush_interval,
                     "num_sink_tokens": num_sink_tokens, "codebooks": str(directory), "attention": attention_path,
                     "calibration_seconds": round(codebooks.calibration["seconds_total"], 1),
                     "calibration_reused": reused, "calibration_text": codebooks.calibration["text"]["description"],
@@ -59,18 +68,19 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
 
 
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
-                     store=None, progress: bool = True) -> dict:
+                     seeds=(0,), store=None, progress: bool = True) -> dict:
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model) + gsrq_methods(
-        loaded, text=calibration_text, store=store, progress=progress,
+        loaded, seeds=tuple(seeds), text=calibration_text, store=store, progress=progress,
         calibration=QUICK_CALIBRATION if quick else None,
     )
     results = evaluate_methods(
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,
         model_description=loaded.description, progress=progress, **(QUICK if quick else FULL),
     )
-    results["command"] = "hf-kvcodecs bench kv" + (" --quick" if quick else "") + f" --model {loaded.name}"
+    results["command"] = ("hf-kvcodecs bench kv" + (" --quick" if quick else "")
+                          + (f" --seeds {' '.join(map(str, seeds))}" if tuple(seeds) != (0,) else "") + f" --model {loaded.name}")
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 

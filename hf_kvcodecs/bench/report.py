@@ -63,7 +63,37 @@ def markdown_report(results: dict) -> str:
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for entry in results["methods"]:
         lines.append("| " + " | ".join(_row(entry, speed_contexts, len(header))) + " |")
+    lines += _seed_spread(results["methods"])
     return "\n".join(lines) + "\n"
+
+
+def _seed_spread(entries: list[dict]) -> list[str]:
+    """Mean and range over calibration seeds of each (family, learner, rate) measured with more than one seed."""
+    groups: dict[tuple, list[dict]] = {}
+    for entry in entries:
+        extra = entry.get("extra") or {}
+        if "seed" in extra and "perplexity" in entry:
+            groups.setdefault((entry["family"], extra.get("learner"), extra.get("bits")), []).append(entry)
+    groups = {key: members for key, members in groups.items() if len(members) > 1}
+    if not groups:
+        return []
+    lines = ["", "## Spread over calibration seeds", "",
+             "Each seed is a separate calibration (k-means initialisation and sampled calibration tokens).", "",
+             "| family | learner | bits | seeds | KL mean (min – max) | Δppl % mean (min – max) | pass key per seed |",
+             "|---|---|---|---|---|---|---|"]
+    for (family, learner, bits), members in groups.items():
+        kls = [member["perplexity"]["kl_mean"] for member in members]
+        ppls = [member["perplexity"]["delta_ppl_pct"] for member in members]
+        passkeys = ", ".join(
+            f"{member['passkey']['correct']}/{member['passkey']['trials']}" if member.get("passkey") else MISSING
+            for member in members
+        )
+        seeds = ", ".join(str(member["extra"]["seed"]) for member in members)
+        lines.append(
+            f"| {family} | {learner} | {bits:g} | {seeds} | {sum(kls) / len(kls):.3g} ({min(kls):.3g} – {max(kls):.3g}) | "
+            f"{sum(ppls) / len(ppls):+.1f} ({min(ppls):+.1f} – {max(ppls):+.1f}) | {passkeys} |"
+        )
+    return lines
 
 
 def _row(entry: dict, speed_contexts: list[int], width: int) -> list[str]:

@@ -50,6 +50,7 @@ class TransformResidualVQ:
     _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _folded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
 
     @property
     def num_heads(self) -> int:
@@ -85,7 +86,12 @@ class TransformResidualVQ:
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""
-        return dequantize_scales(stored, self.log_scale_range)
+        if stored.dtype != torch.uint8 or self.log_scale_range is None:
+            return dequantize_scales(stored, self.log_scale_range)
+        source = self._table_source or self  # prefixes share the levels of the codec they were cut from
+        if source._levels is None or source._levels.device != stored.device:
+            source._levels = scale_levels(source.log_scale_range.to(stored.device))  # per decode step otherwise
+        return _lookup_levels(source._levels, stored)
 
     def truncated(self, num_stages: int) -> "TransformResidualVQ":
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
@@ -234,9 +240,17 @@ def dequantize_scales(stored: torch.Tensor, log_scale_range: torch.Tensor | None
         return stored
     if log_scale_range is None:
         raise ValueError("8-bit scales need the codec's log_scale_range.")
-    low, high = log_scale_range[:, :1].to(stored.device), log_scale_range[:, 1:].to(stored.device)
-    steps = torch.arange(2**LOG_SCALE_BITS, device=stored.device, dtype=torch.float32) / (2**LOG_SCALE_BITS - 1)
-    levels = torch.exp2(low + (high - low) * steps)  # [H, 256]
+    return _lookup_levels(scale_levels(log_scale_range.to(stored.device)), stored)
+
+
+def scale_levels(log_scale_range: torch.Tensor) -> torch.Tensor:
+    """``[H, 256]`` values of the 8-bit scale levels from ``[H, 2]`` log2 (low, high) ranges."""
+    low, high = log_scale_range[:, :1].float(), log_scale_range[:, 1:].float()
+    steps = torch.arange(2**LOG_SCALE_BITS, device=log_scale_range.device, dtype=torch.float32) / (2**LOG_SCALE_BITS - 1)
+    return torch.exp2(low + (high - low) * steps)
+
+
+def _lookup_levels(levels: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     heads = torch.arange(levels.shape[0], device=stored.device)[:, None]
     return levels[heads, stored.long()]
 
