@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..cache import GSRQCache
@@ -88,12 +89,15 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
 def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,
                    progress: bool = True) -> dict:
     """Bits per K/V element held by each cache after prefilling ``context`` tokens of real text and after
-    ``decode_steps`` more, counted from the tensors the cache holds (codebook tables shared per model reported apart).
+    ``decode_steps`` more, counted from the tensors the cache holds (codebook tables shared per model reported apart);
+    and, at the next decode step, the relative squared error of the keys and values attention reads from each cache
+    against the full-precision cache's (the first method).
     """
     import torch
     from tqdm.auto import tqdm
 
     from ..models import model_fingerprint
+    from .fidelity import recorded_attention_inputs, relative_errors
     from .memory import cache_bytes, shared_storages
 
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
@@ -102,11 +106,14 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
     elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
     methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name]
     methods += gsrq_methods(loaded, text=None, store=store, progress=progress, learners=(DEFAULT_LEARNER,))
-    rows = []
+    rows, reference_inputs = [], {}
+    # Every method is measured at the same lengths (the least common multiple of their prefill constraints), so
+    # that their keys and values can be compared token for token with the reference's.
+    multiple = math.lcm(*(max(method.prefill_multiple, 1) for method in methods))
     for method in tqdm(methods, desc="memory", disable=not progress):
         row = {"method": method.name}
         for context in contexts:
-            context = context - context % max(method.prefill_multiple, 1)
+            context = context - context % multiple
             cache = method.make_cache(loaded.model)
             with torch.inference_mode():
                 loaded.model(token_ids[None, :context], cache=cache)
@@ -118,12 +125,20 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
                     loaded.model(token_ids[None, context + step : context + step + 1], cache=cache)
             held = context + decode_steps
             row[f"bits_after_decode@{context}"] = 8 * cache_bytes(cache, excluding=shared) / (held * elements_per_token)
+            with torch.inference_mode(), recorded_attention_inputs(loaded.model) as attention_inputs:
+                loaded.model(token_ids[None, held : held + 1], cache=cache)
+            if not reference_inputs.get(context):
+                reference_inputs[context] = attention_inputs  # the first method is the full-precision reference
+            errors = relative_errors(attention_inputs, reference_inputs[context])
+            row[f"key_error@{context}"], row[f"value_error@{context}"] = errors["keys"], errors["values"]
+            del cache, attention_inputs
         rows.append(row)
     return {"model": loaded.description, "text": corpus.description, "decode_steps": decode_steps, "rows": rows}
 
 
 def memory_markdown(results: dict) -> str:
     keys = [k for k in results["rows"][0] if k.startswith("bits_")]  # insertion order: by context, prefill first
+    error_keys = [k for k in results["rows"][0] if k.startswith(("key_error@", "value_error@"))]
     lines = [
         f"Bits per K/V element held (model: {results['model']}; text: {results['text']}; "
         f"after prefill and after {results['decode_steps']} decode steps; 16-bit cache = 16.00)",
@@ -134,4 +149,16 @@ def memory_markdown(results: dict) -> str:
     for row in results["rows"]:
         cells = [f"{row[k]:.2f}" for k in keys]
         lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {16 / row[keys[-1]]:.1f}x | {row['shared_mib']:.1f} |")
+    if error_keys:
+        lines += [
+            "",
+            "Relative squared error of the keys (after RoPE) and values that attention reads from each cache at the next "
+            "decode step, against the full-precision cache's, over every token held (exact windows and sinks count "
+            "with their zero error), mean over layers:",
+            "",
+            "| method | " + " | ".join(error_keys) + " |",
+            "|---|" + "---|" * len(error_keys),
+        ]
+        for row in results["rows"]:
+            lines.append(f"| {row['method']} | " + " | ".join(f"{row[k]:.4f}" for k in error_keys) + " |")
     return "\n".join(lines) + "\n"

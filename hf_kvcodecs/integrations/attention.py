@@ -38,7 +38,7 @@ def _make_attention(original_name: str):
     def gsrq_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
         layer = getattr(key, CODE_LAYER_ATTRIBUTE, None)
         if layer is None:
-            return _original_attention(original_name, module)(
+            return original_attention(original_name, module)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         from ..cache.attention import gsrq_layer_attention, uses_codes
@@ -51,7 +51,7 @@ def _make_attention(original_name: str):
         try:
             if not uses_codes(layer, query):  # prefill-sized blocks: the model's own attention on decoded states
                 keys, values = layer.dequantized_keys_and_values()
-                return _original_attention(original_name, module)(
+                return original_attention(original_name, module)(
                     module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
                 )
             output = gsrq_layer_attention(layer, query, attention_mask, scaling)
@@ -63,7 +63,7 @@ def _make_attention(original_name: str):
     return gsrq_attention
 
 
-def _original_attention(name: str, module):
+def original_attention(name: str, module):
     if name == "eager":  # every model file defines its own eager function (the default of its interface lookup)
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if eager is None:
