@@ -89,11 +89,11 @@ def test_cli_calibrate_writes_a_loadable_codebook_directory(tmp_path, capsys):
     from hf_kvcodecs.cli import main
 
     out = tmp_path / "cli_codebooks"
-    assert main(["calibrate", "--out", str(out), "--bits", "1", "--windows", "2", "--learner", "l2"]) == 0
+    assert main(["calibrate", "--out", str(out), "--bits", "1", "--windows", "2", "--learner", "gskm-principal"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["max_bits_per_element"] == pytest.approx(1.0)
     cache = GSRQCache(codebooks=out, bits=1.0)
-    assert cache.codebooks.config["learner"] == "l2"
+    assert cache.codebooks.config["learner"] == "gskm-principal"
 
 
 def test_code_reading_attention_generates_the_same_tokens_as_dequantize(real, real_codebooks):
