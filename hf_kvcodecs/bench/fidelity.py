@@ -29,7 +29,7 @@ def recorded_attention_inputs(model):
 
     config = model.config.get_text_config(decoder=True)
     original = config._attn_implementation
-    if original not in ALL_ATTENTION_FUNCTIONS and original != "eager":
+    if (original not in ALL_ATTENTION_FUNCTIONS and original != "eager") or original not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"Cannot record the attention inputs of implementation {original!r}.")
     records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -40,8 +40,7 @@ def recorded_attention_inputs(model):
         return original_attention(original, module)(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register(CAPTURE_IMPLEMENTATION, recording_attention)
-    mask_source = original.removeprefix("gsrq_") if original not in ALL_MASK_ATTENTION_FUNCTIONS else original
-    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[mask_source])
+    AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[original])
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
         yield records
@@ -57,7 +56,9 @@ def relative_errors(records: dict, reference: dict) -> dict[str, float]:
     for layer, (keys, values) in records.items():
         reference_keys, reference_values = reference[layer]
         if keys.shape != reference_keys.shape:
-            raise ValueError(f"Layer {layer}: attention read {tuple(keys.shape)} keys, the reference {tuple(reference_keys.shape)}.")
+            raise ValueError(
+                f"Layer {layer}: attention read {tuple(keys.shape)} keys, the reference {tuple(reference_keys.shape)}."
+            )
         for name, got, expected in (("keys", keys, reference_keys), ("values", values, reference_values)):
             errors[name].append(float((got - expected).pow(2).sum() / expected.pow(2).sum().clamp_min(1e-30)))
     return {name: sum(values) / len(values) for name, values in errors.items()}

@@ -6,8 +6,9 @@ Per layer, tokens live in three append-only regions, in order:
              codebooks); a token is encoded once, never again
     window   the most recent ``window_length`` .. ``window_length + flush_interval`` tokens, exact
 When the window grows past ``window_length + flush_interval`` tokens, its oldest tokens are encoded and moved to the
-codes, once the attention of the call that brought them is done: new tokens are always attended exact. Keys are coded before RoPE when the codebooks say so: the cache undoes RoPE with the token's own position and
-re-applies it after decoding. Positions are recorded once per cache (not per layer) in a shared ledger.
+codes, once the attention of the call that brought them is done: new tokens are always attended exact. Keys are
+coded before RoPE when the codebooks say so: the cache undoes RoPE with the token's own position and re-applies it
+after decoding. Positions are recorded once per cache (not per layer) in a shared ledger.
 """
 
 from __future__ import annotations
