@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
+from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
 from .gsrq import calibrate_gsrq
 
@@ -26,9 +27,10 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
 
     Returns ``(codebooks, directory, reused)``.
     """
-    # The format version is part of the key: codebooks stored by an older codec are refitted, not silently reused.
+    # The format and encoder versions are part of the key: codebooks stored by an older codec are refitted, not
+    # silently reused, and their held-out statistics are measured with the encoder that will use them.
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
-                "format_version": FORMAT_VERSION, **settings}
+                "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION, **settings}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"

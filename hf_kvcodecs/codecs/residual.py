@@ -2,7 +2,9 @@
 
 A head vector ``x`` (``[d]``) is coded as
     s   = rms(x)                                 per-token, per-head scale: 8 bits, log-uniform in a per-head range
-                                                 fitted at calibration (``scale_bits=8``, the default), or fp16
+                                                 fitted at calibration (``scale_bits=8``, the default), or fp16;
+                                                 the *stored* scale is re-chosen after the shape is coded (the
+                                                 least-squares gain of the decoded shape, see ``_refit_gains``)
     z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled),
                                                  optionally in a metric-whitened space (see ``metric`` below)
     z is split into groups of ``group_dim`` consecutive components; the codec is an ordered list of *stages*,
@@ -32,6 +34,10 @@ SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
 # (1.8 % in scale, ~3e-5 relative MSE: negligible next to the 1e-2 of the vector code).
 LOG_SCALE_MARGIN = 1.0
 _EPS = 1e-8
+# Changes whenever encode() picks other codes or scales for the same codebooks (2: stored scale refitted to the coded
+# shape). Files stay readable across revisions; the calibration store re-calibrates so stored held-out statistics
+# describe the encoder in use.
+ENCODER_REVISION = 2
 
 
 @dataclass
@@ -121,7 +127,35 @@ class TransformResidualVQ:
         num_heads, n, dim = z.shape
         # hf_kvcodecs::residual_encode: Triton kernel on CUDA, kernels/reference.py elsewhere
         codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups)
-        return codes.reshape(num_heads, n, self.num_stages), scales
+        codes = codes.reshape(num_heads, n, self.num_stages)
+        return codes, self._refit_gains(z, codes, scales, scale_values)
+
+    def _refit_gains(self, z, codes, scales, scale_values):
+        """Stored scales re-chosen once the shape is coded: the least-squares gain of the decoded shape.
+
+        The RMS only tells the encoder how to normalize before coding; the decoder multiplies the coded shape, which
+        is shorter than the input on average (residual VQ misses part of every vector), so the gain that minimizes
+        the error is ``<a, b> / |b|^2`` (``a``, ``b``: input and decoded shape in the coding space, where the
+        codec's error metric is plain squared distance). It costs no bits and leaves the decoder as it is. Each
+        vector keeps whichever stored scale, RMS or refitted, gives the lower error after its own quantization.
+        """
+        centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
+        target = z + centre  # x / s in the coding space
+        coded = centre.expand_as(z).clone()
+        if self.num_stages:
+            table, offsets = self._decode_table()
+            num_heads, n, dim = z.shape
+            coded += F.embedding_bag((codes.long() + offsets).reshape(-1, self.num_stages), table, mode="sum").reshape(
+                num_heads, n, dim
+            )
+        coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
+        overlap = (target * coded).sum(-1)
+        refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), self.log_scale_range)
+
+        def error(gain):  # |a - g b|^2 up to the |a|^2 both share, with a = s * target
+            return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
+
+        return torch.where(error(refitted_values) < error(scale_values), refitted, scales)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
