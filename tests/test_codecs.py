@@ -110,14 +110,19 @@ def test_stored_gain_is_refitted_to_the_coded_shape_and_never_loses(scale_bits, 
     codes, stored = codec.encode(test)
     rms_stored = quantize_scales(test.pow(2).mean(-1).sqrt(), codec.log_scale_range)[0]
 
-    def error(scales):  # per vector, in the codec's metric
+    def error(codec, codes, scales):  # per vector, in the codec's metric
         difference = test - codec.decode(codes, scales)
         return difference.pow(2).sum(-1) if metric is None else torch.einsum("hnd,hde,hne->hn", difference, metric, difference)
 
-    refitted, plain = error(stored), error(rms_stored)
+    refitted, plain = error(codec, codes, stored), error(codec, codes, rms_stored)
     assert torch.all(refitted <= plain * (1 + 1e-5) + 1e-7)  # a vector keeps the RMS scale when refitting loses
     assert refitted.sum() < 0.97 * plain.sum()  # residual VQ shrinks vectors: the refitted gain recovers some error
     assert (stored != rms_stored).float().mean() > 0.5
+    for stages in (1, 0):  # lower rates (prefixes reading the parent's decode table), down to the mean alone
+        prefix = codec.truncated(stages)
+        prefix_codes, prefix_stored = prefix.encode(test)
+        assert torch.equal(prefix_codes, codes[..., :stages])  # the gain is chosen after the codes, never before
+        assert torch.all(error(prefix, prefix_codes, prefix_stored) <= error(prefix, prefix_codes, rms_stored) * (1 + 1e-5) + 1e-7)
 
 
 def test_codec_rejects_vectors_of_another_shape():

@@ -133,11 +133,11 @@ class TransformResidualVQ:
     def _refit_gains(self, z, codes, scales, scale_values):
         """Stored scales re-chosen once the shape is coded: the least-squares gain of the decoded shape.
 
-        The RMS only tells the encoder how to normalize before coding; the decoder multiplies the coded shape, which
-        is shorter than the input on average (residual VQ misses part of every vector), so the gain that minimizes
-        the error is ``<a, b> / |b|^2`` (``a``, ``b``: input and decoded shape in the coding space, where the
-        codec's error metric is plain squared distance). It costs no bits and leaves the decoder as it is. Each
-        vector keeps whichever stored scale, RMS or refitted, gives the lower error after its own quantization.
+        The RMS only tells the encoder how to normalize before coding. One vector's coding error is not orthogonal
+        to its decoded shape, so the gain that minimizes its error is ``<a, b> / |b|^2`` (``a``, ``b``: input and
+        decoded shape in the coding space, where the codec's error metric is plain squared distance), and the scale
+        then also codes the error along ``b``. It costs no bits and leaves the decoder as it is. Each vector keeps
+        whichever stored scale, RMS or refitted, gives the lower error after its own quantization.
         """
         centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
         target = z + centre  # x / s in the coding space
