@@ -95,9 +95,7 @@ def test_log_scales_round_to_the_nearest_level_and_clamp_outside_the_range():
         dequantize_scales(stored, None)
 
 
-@pytest.mark.parametrize("scale_bits", [LOG_SCALE_BITS, FP16_SCALE_BITS])
-@pytest.mark.parametrize("with_metric", [False, True])
-def test_stored_gain_is_refitted_to_the_coded_shape_and_never_loses(scale_bits, with_metric):
+def _gain_test_codec(scale_bits, with_metric):
     samples = _correlated_vectors(seed=6)
     metric = None
     if with_metric:
@@ -107,22 +105,51 @@ def test_stored_gain_is_refitted_to_the_coded_shape_and_never_loses(scale_bits, 
     codec = fit_transform_residual_vq(samples[:, :2000], max_stages=2, group_dim=8, codebook_bits=5, n_iter=6,
                                       scale_bits=scale_bits, metric=metric)
     test = samples[:, 2000:]
-    codes, stored = codec.encode(test)
     rms_stored = quantize_scales(test.pow(2).mean(-1).sqrt(), codec.log_scale_range)[0]
 
-    def error(codec, codes, scales):  # per vector, in the codec's metric
-        difference = test - codec.decode(codes, scales)
-        return difference.pow(2).sum(-1) if metric is None else torch.einsum("hnd,hde,hne->hn", difference, metric, difference)
+    def metric_norm2(v):  # per vector, in the codec's metric
+        return v.pow(2).sum(-1) if metric is None else torch.einsum("hnd,hde,hne->hn", v, metric, v)
+
+    return codec, test, rms_stored, metric_norm2
+
+
+@pytest.mark.parametrize("scale_bits", [LOG_SCALE_BITS, FP16_SCALE_BITS])
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_least_squares_gain_is_refitted_to_the_coded_shape_and_never_loses(scale_bits, with_metric):
+    codec, test, rms_stored, metric_norm2 = _gain_test_codec(scale_bits, with_metric)
+    codes, stored = codec.encode(test, gain="least_squares")
+    assert torch.equal(codec.encode(test, gain="rms")[1], rms_stored)
+
+    def error(codec, codes, scales):
+        return metric_norm2(test - codec.decode(codes, scales))
 
     refitted, plain = error(codec, codes, stored), error(codec, codes, rms_stored)
     assert torch.all(refitted <= plain * (1 + 1e-5) + 1e-7)  # a vector keeps the RMS scale when refitting loses
-    assert refitted.sum() < 0.97 * plain.sum()  # residual VQ shrinks vectors: the refitted gain recovers some error
+    assert refitted.sum() < 0.97 * plain.sum()  # the scale also codes the error along the decoded shape
     assert (stored != rms_stored).float().mean() > 0.5
     for stages in (1, 0):  # lower rates (prefixes reading the parent's decode table), down to the mean alone
         prefix = codec.truncated(stages)
-        prefix_codes, prefix_stored = prefix.encode(test)
+        prefix_codes, prefix_stored = prefix.encode(test, gain="least_squares")
         assert torch.equal(prefix_codes, codes[..., :stages])  # the gain is chosen after the codes, never before
         assert torch.all(error(prefix, prefix_codes, prefix_stored) <= error(prefix, prefix_codes, rms_stored) * (1 + 1e-5) + 1e-7)
+
+
+@pytest.mark.parametrize("scale_bits", [LOG_SCALE_BITS, FP16_SCALE_BITS])
+@pytest.mark.parametrize("with_metric", [False, True])
+def test_default_gain_restores_each_vectors_norm(scale_bits, with_metric):
+    codec, test, rms_stored, metric_norm2 = _gain_test_codec(scale_bits, with_metric)
+    codes, stored = codec.encode(test)
+    length = metric_norm2(test).sqrt()
+    restored = metric_norm2(codec.decode(codes, stored)).sqrt() / length
+    shrunk = metric_norm2(codec.decode(codes, rms_stored)).sqrt() / length
+    # One 8-bit level is at most ~2 % of the scale on these ranges; fp16 rounds at 5e-4.
+    tolerance = 0.02 if scale_bits == LOG_SCALE_BITS else 2e-3
+    assert torch.all((restored - 1).abs() < tolerance)
+    assert shrunk.mean() < 0.99  # what the RMS scale does: residual VQ returns shorter vectors
+    assert (shrunk - 1).abs().mean() > 5 * (restored - 1).abs().mean()
+    assert torch.equal(codec.truncated(1).encode(test)[0], codes[..., :1])
+    with pytest.raises(ValueError, match="gain must be one of"):
+        codec.encode(test, gain="l2")
 
 
 def test_codec_rejects_vectors_of_another_shape():

@@ -3,8 +3,8 @@
 A head vector ``x`` (``[d]``) is coded as
     s   = rms(x)                                 per-token, per-head scale: 8 bits, log-uniform in a per-head range
                                                  fitted at calibration (``scale_bits=8``, the default), or fp16;
-                                                 the *stored* scale is re-chosen after the shape is coded (the
-                                                 least-squares gain of the decoded shape, see ``_refit_gains``)
+                                                 the *stored* scale is re-chosen after the shape is coded, so the
+                                                 decoded vector keeps the input's norm (see ``_refit_gains``)
     z   = (x / s - mean_h) @ basis_h             per-head decorrelating transform (PCA/KLT; identity when disabled),
                                                  optionally in a metric-whitened space (see ``metric`` below)
     z is split into groups of ``group_dim`` consecutive components; the codec is an ordered list of *stages*,
@@ -34,10 +34,13 @@ SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
 # (1.8 % in scale, ~3e-5 relative MSE: negligible next to the 1e-2 of the vector code).
 LOG_SCALE_MARGIN = 1.0
 _EPS = 1e-8
-# Changes whenever encode() picks other codes or scales for the same codebooks (2: stored scale refitted to the coded
-# shape). Files stay readable across revisions; the calibration store re-calibrates so stored held-out statistics
-# describe the encoder in use.
-ENCODER_REVISION = 2
+# Changes whenever encode() picks other codes or scales for the same codebooks (2: least-squares gain after the codes;
+# 3: norm-restoring gain). Files stay readable across revisions; the calibration store re-calibrates so stored
+# held-out statistics describe the encoder in use.
+ENCODER_REVISION = 3
+# How encode() chooses the stored scale after the codes (see TransformResidualVQ._refit_gains).
+GAIN_CHOICES = ("norm", "least_squares", "rms")
+DEFAULT_GAIN = "norm"
 
 
 @dataclass
@@ -119,8 +122,15 @@ class TransformResidualVQ:
         )
 
     # ---- coding ---------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, stored scales ``[H, N]``: :attr:`scale_dtype`)."""
+    def encode(self, x: torch.Tensor, gain: str = DEFAULT_GAIN) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, stored scales ``[H, N]``: :attr:`scale_dtype`).
+
+        ``gain`` chooses the stored scale once the codes are chosen (the decoder is the same for all three):
+        ``"norm"`` (default) makes each decoded vector as long as its input, ``"least_squares"`` minimizes each
+        vector's squared error, ``"rms"`` keeps the RMS the vector was normalized by. See :meth:`_refit_gains`.
+        """
+        if gain not in GAIN_CHOICES:
+            raise ValueError(f"gain must be one of {GAIN_CHOICES}, got {gain!r}.")
         self._check_input(x)
         scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
         z = self._analyze(x.float(), scale_values)  # coded relative to the scale the decoder will use
@@ -128,16 +138,21 @@ class TransformResidualVQ:
         # hf_kvcodecs::residual_encode: Triton kernel on CUDA, kernels/reference.py elsewhere
         codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups)
         codes = codes.reshape(num_heads, n, self.num_stages)
-        return codes, self._refit_gains(z, codes, scales, scale_values)
+        if gain == "rms":
+            return codes, scales
+        return codes, self._refit_gains(z, codes, scales, scale_values, gain)
 
-    def _refit_gains(self, z, codes, scales, scale_values):
-        """Stored scales re-chosen once the shape is coded: the least-squares gain of the decoded shape.
+    def _refit_gains(self, z, codes, scales, scale_values, gain):
+        """Stored scales re-chosen once the shape is coded, from the input ``a`` and the decoded shape ``b`` in the
+        coding space (where the codec's error metric is plain squared distance).
 
-        The RMS only tells the encoder how to normalize before coding. One vector's coding error is not orthogonal
-        to its decoded shape, so the gain that minimizes its error is ``<a, b> / |b|^2`` (``a``, ``b``: input and
-        decoded shape in the coding space, where the codec's error metric is plain squared distance), and the scale
-        then also codes the error along ``b``. It costs no bits and leaves the decoder as it is. Each vector keeps
-        whichever stored scale, RMS or refitted, gives the lower error after its own quantization.
+        Residual VQ returns a shape shorter than its input (the part of the vector it misses is, on average,
+        orthogonal to what it returns), so decoding with the RMS shrinks every vector. ``"norm"`` undoes that:
+        gain ``|a| / |b|``, the decoded vector is as long as the input. For attention this matters more than the
+        squared error: a shrunken key flattens its attention scores, a shrunken value dims its contribution (on the
+        default model it cut teacher-forced KL by a fifth at 2 bits against the least-squares gain, though its
+        squared error is higher). ``"least_squares"``: gain ``<a, b> / |b|^2``, the smallest error for that shape;
+        each vector keeps the RMS level when that is better after quantization. Neither costs bits.
         """
         centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
         target = z + centre  # x / s in the coding space
@@ -148,7 +163,13 @@ class TransformResidualVQ:
             coded += F.embedding_bag((codes.long() + offsets).reshape(-1, self.num_stages), table, mode="sum").reshape(
                 num_heads, n, dim
             )
-        coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
+        coded_energy = coded.pow(2).sum(-1)
+        if gain == "norm":
+            usable = coded_energy > _EPS  # a zero shape (no stages, no mean) has no length to restore
+            ratio = target.pow(2).sum(-1).div(coded_energy.clamp_min(_EPS)).sqrt()
+            refitted = quantize_scales((scale_values * ratio).clamp_min(_EPS), self.log_scale_range)[0]
+            return torch.where(usable, refitted, scales)
+        coded_energy = coded_energy.clamp_min(_EPS)
         overlap = (target * coded).sum(-1)
         refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), self.log_scale_range)
 
@@ -210,8 +231,8 @@ class TransformResidualVQ:
             self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups)
         return self._folded
 
-    def reconstruct(self, x: torch.Tensor) -> torch.Tensor:
-        codes, scales = self.encode(x)
+    def reconstruct(self, x: torch.Tensor, gain: str = DEFAULT_GAIN) -> torch.Tensor:
+        codes, scales = self.encode(x, gain)
         return self.decode(codes, scales, dtype=x.dtype)
 
     def _analyze(self, x, scales):
