@@ -152,6 +152,19 @@ def test_default_gain_restores_each_vectors_norm(scale_bits, with_metric):
         codec.encode(test, gain="l2")
 
 
+@pytest.mark.parametrize("scale_bits", [LOG_SCALE_BITS, FP16_SCALE_BITS])
+def test_norm_gain_does_not_stretch_a_shape_that_missed_the_vector(scale_bits):
+    samples = _correlated_vectors(seed=7)
+    codec = fit_transform_residual_vq(samples[:, :2000], max_stages=2, group_dim=8, codebook_bits=5, n_iter=4,
+                                      transform="none", scale_bits=scale_bits)
+    test = samples[:, 2000:]
+    empty = codec.truncated(0)  # no stages and a zero mean: the decoded shape is the zero vector
+    codes, stored = empty.encode(test)
+    assert torch.isfinite(empty.scale_values(stored).float()).all()
+    assert torch.equal(stored, empty.encode(test, gain="least_squares")[1])
+    assert torch.count_nonzero(empty.decode(codes, stored)) == 0
+
+
 def test_codec_rejects_vectors_of_another_shape():
     codec = fit_transform_residual_vq(_correlated_vectors(), max_stages=1, group_dim=8, codebook_bits=4, n_iter=2)
     with pytest.raises(ValueError, match="different number of KV heads"):

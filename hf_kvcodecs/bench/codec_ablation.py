@@ -6,7 +6,8 @@ then averaged over layers (and seeds):
 
 * relative MSE in the original KV space,
 * mean cosine similarity between each vector and its reconstruction (what attention scores mostly depend on),
-* mean norm ratio ``||x_hat|| / ||x||`` (below 1 means the codec shrinks vectors, the bias GSKM is meant to remove),
+* mean norm ratio ``||x_hat|| / ||x||`` (every codec is decoded with the least-squares gain, which makes it equal
+  the cosine; the cache's default gain restores the norm instead),
 * the Gaussian rate-distortion reference at the same index bits, computed on the evaluation vectors. It is a
   yardstick, not a lower bound: a Gaussian is the hardest source for its covariance, so real (non-Gaussian) vectors
   can in principle be coded below it, and the codec also spends the 16-bit scale that the reference does not get.

@@ -41,6 +41,7 @@ ENCODER_REVISION = 3
 # How encode() chooses the stored scale after the codes (see TransformResidualVQ._refit_gains).
 GAIN_CHOICES = ("norm", "least_squares", "rms")
 DEFAULT_GAIN = "norm"
+MAX_NORM_STRETCH = 16.0  # the norm gain never multiplies a decoded shape's length by more than this
 
 
 @dataclass
@@ -163,20 +164,22 @@ class TransformResidualVQ:
             coded += F.embedding_bag((codes.long() + offsets).reshape(-1, self.num_stages), table, mode="sum").reshape(
                 num_heads, n, dim
             )
-        coded_energy = coded.pow(2).sum(-1)
-        if gain == "norm":
-            usable = coded_energy > _EPS  # a zero shape (no stages, no mean) has no length to restore
-            ratio = target.pow(2).sum(-1).div(coded_energy.clamp_min(_EPS)).sqrt()
-            refitted = quantize_scales((scale_values * ratio).clamp_min(_EPS), self.log_scale_range)[0]
-            return torch.where(usable, refitted, scales)
-        coded_energy = coded_energy.clamp_min(_EPS)
+        coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
         overlap = (target * coded).sum(-1)
         refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), self.log_scale_range)
 
         def error(gain):  # |a - g b|^2 up to the |a|^2 both share, with a = s * target
             return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
 
-        return torch.where(error(refitted_values) < error(scale_values), refitted, scales)
+        least_squares = torch.where(error(refitted_values) < error(scale_values), refitted, scales)
+        if gain == "least_squares":
+            return least_squares
+        ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
+        stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), self.log_scale_range)[0]
+        # Stretching a shape that captured almost none of the vector (or points away from it) would add error rather
+        # than restore length; such vectors (none on the default model's text at 1-2 bits) take the least-squares gain.
+        degenerate = (ratio > MAX_NORM_STRETCH) | (overlap <= 0)
+        return torch.where(degenerate, least_squares, stretched)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
