@@ -177,7 +177,8 @@ class TransformResidualVQ:
         ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
         stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), self.log_scale_range)[0]
         # Stretching a shape that captured almost none of the vector (or points away from it) would add error rather
-        # than restore length; such vectors (none on the default model's text at 1-2 bits) take the least-squares gain.
+        # than restore length; such vectors (a decoded shape 16x shorter than the input, or none of it) take the
+        # least-squares gain.
         degenerate = (ratio > MAX_NORM_STRETCH) | (overlap <= 0)
         return torch.where(degenerate, least_squares, stretched)
 
