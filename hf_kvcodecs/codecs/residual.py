@@ -157,13 +157,7 @@ class TransformResidualVQ:
         """
         centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
         target = z + centre  # x / s in the coding space
-        coded = centre.expand_as(z).clone()
-        if self.num_stages:
-            table, offsets = self._decode_table()
-            num_heads, n, dim = z.shape
-            coded += F.embedding_bag((codes.long() + offsets).reshape(-1, self.num_stages), table, mode="sum").reshape(
-                num_heads, n, dim
-            )
+        coded = centre + self._coded_transform(codes)
         coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
         overlap = (target * coded).sum(-1)
         refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), self.log_scale_range)
@@ -184,17 +178,20 @@ class TransformResidualVQ:
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
-        num_heads, n, num_codes = codes.shape
+        num_codes = codes.shape[-1]
         if num_codes != self.num_stages:
             raise ValueError(f"Got {num_codes} codes per vector but the codec has {self.num_stages} stages.")
+        return self._synthesize(self._coded_transform(codes), self.scale_values(scales).to(self.codebooks.dtype)).to(dtype)
+
+    def _coded_transform(self, codes: torch.Tensor) -> torch.Tensor:
+        """Sum of the codewords of ``[H, N, S]`` codes in the transform domain: ``[H, N, D]``."""
+        num_heads, n, num_codes = codes.shape
         if num_codes == 0:
-            z = torch.zeros(num_heads, n, self.head_dim, device=codes.device, dtype=self.codebooks.dtype)
-        else:
-            table, offsets = self._decode_table()
-            # One fused gather-and-sum over all stages instead of a Python loop of gathers and slice-adds.
-            z = F.embedding_bag((codes.long() + offsets).reshape(-1, num_codes), table, mode="sum")
-            z = z.reshape(num_heads, n, self.head_dim)
-        return self._synthesize(z, self.scale_values(scales).to(self.codebooks.dtype)).to(dtype)
+            return torch.zeros(num_heads, n, self.head_dim, device=codes.device, dtype=self.codebooks.dtype)
+        table, offsets = self._decode_table()
+        # One fused gather-and-sum over all stages instead of a Python loop of gathers and slice-adds.
+        z = F.embedding_bag((codes.long() + offsets).reshape(-1, num_codes), table, mode="sum")
+        return z.reshape(num_heads, n, self.head_dim)
 
     def _decode_table(self):
         """Codebooks placed at their group's slice of the full transform-domain vector: ``[S*K, D]`` plus offsets.
