@@ -6,6 +6,9 @@
 //                     every query row of its KV head, times the token's scale and the softmax scaling;
 //   value_histogram   probability x value scale added into one bin per (stage, codeword), per query row.
 // Both split the tokens of every (batch, KV head) into blocks run in parallel on torch's intra-op threads.
+//   residual_encode_beam  the beam-search encoder (reference: residual_encode_beam_reference), one vector at a time
+//                     with its beams in stack-sized buffers instead of [rows, beams * K] score tensors; rows run in
+//                     parallel.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -230,15 +233,132 @@ std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabiliti
           partial_weights.sum(1).reshape({batch, heads, rows})};
 }
 
+// z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
+// extend each kept code path by every codeword, keep the beam_width smallest remaining errors, finally take the
+// smallest. Candidates enter a sorted list only if they beat its worst entry, so most cost one comparison.
+at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks, const at::Tensor& stage_groups,
+                                int64_t beam_width) {
+  check(z.dim() == 2 && codebooks.dim() == 3 && stage_groups.dim() == 1, "unexpected ranks");
+  check(z.scalar_type() == at::kFloat && z.is_contiguous() && z.device().is_cpu(), "z must be contiguous float32");
+  check(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous(), "codebooks must be contiguous float32");
+  check(stage_groups.scalar_type() == at::kLong && stage_groups.is_contiguous(), "stage_groups must be int64");
+  check(beam_width >= 1, "beam_width must be at least 1");
+  const int64_t rows = z.size(0), dim = z.size(1);
+  const int64_t stages = codebooks.size(0), size = codebooks.size(1), group_dim = codebooks.size(2);
+  check(stage_groups.size(0) == stages, "one group per stage");
+  check(size >= 1 && size <= 256, "codebooks must have 1..256 codewords (codes are uint8)");
+  check(group_dim >= 1 && dim % group_dim == 0, "group_dim must divide the vector length");
+  auto codes = at::empty({rows, stages}, z.options().dtype(at::kByte));
+  if (rows == 0 || stages == 0) return codes;
+  const int64_t* groups = stage_groups.data_ptr<int64_t>();
+  for (int64_t s = 0; s < stages; ++s) check(groups[s] >= 0 && groups[s] < dim / group_dim, "stage group out of range");
+  // Transposed codebooks [S, g, K]: the scores of all K codewords are then a sum of g vectorizable rows.
+  auto transposed = codebooks.transpose(1, 2).contiguous();
+  auto half_norms = (codebooks * codebooks).sum(-1).mul(0.5).contiguous();  // [S, K]
+  const float* tp = transposed.data_ptr<float>();
+  const float* cp = codebooks.data_ptr<float>();
+  const float* hp = half_norms.data_ptr<float>();
+  const float* zp = z.data_ptr<float>();
+  uint8_t* op = codes.data_ptr<uint8_t>();
+  // Groups in first-appearance order, each with its stages.
+  std::vector<std::vector<int64_t>> members;
+  std::vector<int64_t> group_order;
+  for (int64_t s = 0; s < stages; ++s) {
+    auto found = std::find(group_order.begin(), group_order.end(), groups[s]);
+    if (found == group_order.end()) {
+      group_order.push_back(groups[s]);
+      members.emplace_back();
+      found = group_order.end() - 1;
+    }
+    members[found - group_order.begin()].push_back(s);
+  }
+  const int64_t width = beam_width;
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> residual(width * group_dim), next_residual(width * group_dim), energy(width);
+    std::vector<float> best_error(width), scores(size);
+    std::vector<int64_t> best_parent(width), best_word(width);
+    std::vector<int64_t> path_parent, path_word;  // [stage in group][beam]
+    for (int64_t row = first; row < last; ++row) {
+      const float* zr = zp + row * dim;
+      uint8_t* out = op + row * stages;
+      for (size_t gi = 0; gi < group_order.size(); ++gi) {
+        const int64_t group = group_order[gi];
+        const auto& stage_list = members[gi];
+        int64_t beams = 1;
+        std::copy(zr + group * group_dim, zr + (group + 1) * group_dim, residual.begin());
+        path_parent.assign(stage_list.size() * width, 0);
+        path_word.assign(stage_list.size() * width, 0);
+        for (size_t depth = 0; depth < stage_list.size(); ++depth) {
+          const int64_t stage = stage_list[depth];
+          const float* book_t = tp + stage * group_dim * size;
+          const float* half = hp + stage * size;
+          int64_t kept = 0;
+          for (int64_t b = 0; b < beams; ++b) {
+            const float* r = residual.data() + b * group_dim;
+            float r_energy = 0.f;
+            for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
+            for (int64_t k = 0; k < size; ++k) scores[k] = -half[k];
+            for (int64_t j = 0; j < group_dim; ++j) {
+              const float rj = r[j];
+              const float* column = book_t + j * size;
+              for (int64_t k = 0; k < size; ++k) scores[k] += rj * column[k];
+            }
+            for (int64_t k = 0; k < size; ++k) {
+              const float error = r_energy - 2.f * scores[k];  // |r - c|^2
+              if (kept == width && error >= best_error[width - 1]) continue;
+              int64_t slot = kept < width ? kept++ : width - 1;
+              while (slot > 0 && best_error[slot - 1] > error) {
+                best_error[slot] = best_error[slot - 1];
+                best_parent[slot] = best_parent[slot - 1];
+                best_word[slot] = best_word[slot - 1];
+                --slot;
+              }
+              best_error[slot] = error;
+              best_parent[slot] = b;
+              best_word[slot] = k;
+            }
+          }
+          for (int64_t n = 0; n < kept; ++n) {
+            const float* parent = residual.data() + best_parent[n] * group_dim;
+            const float* word = cp + (stage * size + best_word[n]) * group_dim;
+            for (int64_t j = 0; j < group_dim; ++j) next_residual[n * group_dim + j] = parent[j] - word[j];
+            path_parent[depth * width + n] = best_parent[n];
+            path_word[depth * width + n] = best_word[n];
+          }
+          std::swap(residual, next_residual);
+          beams = kept;
+        }
+        int64_t best = 0;
+        float smallest = 0.f;
+        for (int64_t b = 0; b < beams; ++b) {
+          float e = 0.f;
+          for (int64_t j = 0; j < group_dim; ++j) e += residual[b * group_dim + j] * residual[b * group_dim + j];
+          if (b == 0 || e < smallest) {
+            smallest = e;
+            best = b;
+          }
+        }
+        for (int64_t depth = static_cast<int64_t>(stage_list.size()) - 1; depth >= 0; --depth) {
+          out[stage_list[depth]] = static_cast<uint8_t>(path_word[depth * width + best]);
+          best = path_parent[depth * width + best];
+        }
+      }
+    }
+  });
+  return codes;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
   m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor table, Tensor mean, Tensor cos, Tensor sin, "
         "int codebook_size, float scaling) -> Tensor");
   m.def("value_histogram(Tensor probabilities, Tensor codes, Tensor scales, int codebook_size) -> (Tensor, Tensor)");
+  m.def("residual_encode_beam(Tensor z, Tensor codebooks, Tensor stage_groups, int beam_width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {
   m.impl("prerope_scores", &prerope_scores);
   m.impl("value_histogram", &value_histogram);
+  m.impl("residual_encode_beam", &residual_encode_beam);
 }

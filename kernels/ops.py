@@ -4,7 +4,7 @@ Every op has one definition and several implementations, picked by the dispatche
     default (any device without a kernel)  the readable PyTorch reference in ``reference.py``
     "cpu"                                  ``cpu.py`` for attention (same math, CPU-friendly primitives; its hot loops
                                            compiled from ``cpu_native.cpp`` on first use when a C++ compiler is
-                                           available), else reference
+                                           available), else reference; the encoder's compiled loop, else reference
     "cuda"                                 the Triton kernels when Triton is installed, else the reference
     fake (Meta)                            output shapes only, for torch.compile / meta tensors
 Set ``HF_KVCODECS_KERNELS=reference`` to force the reference everywhere (e.g. to compare or debug), or
@@ -23,6 +23,7 @@ from torch import Tensor
 from . import reference
 
 LIBRARY = "hf_kvcodecs"
+MAX_BEAM_WIDTH = 64  # beyond a few beams the search stops paying (see TransformResidualVQ.encode)
 
 
 def triton_available() -> bool:
@@ -127,13 +128,27 @@ def _coded_attention_fake(query, *args):
 
 
 @torch.library.custom_op(f"{LIBRARY}::residual_encode", mutates_args=())
-def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor) -> Tensor:
-    """Greedy residual-VQ codes ``[R, S]`` (uint8) of transform-domain vectors ``z`` ``[R, D]``."""
-    return reference.residual_encode_reference(z, codebooks, stage_groups)
+def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor, beam_width: int = 1) -> Tensor:
+    """Residual-VQ codes ``[R, S]`` (uint8) of transform-domain vectors ``z`` ``[R, D]``: greedy (``beam_width=1``)
+    or beam search over each group's stages (``reference.residual_encode_beam_reference``)."""
+    _check_beam_width(beam_width)
+    if z.device.type == "cpu":
+        from .cpu_native import native_ops
+
+        native = native_ops()
+        if native is not None:  # the compiled loop (4x faster than the reference at beam_width=1, 4x at 8)
+            return native.residual_encode_beam(z.float().contiguous(), codebooks.float().contiguous(),
+                                               stage_groups.long().contiguous(), beam_width)
+    if beam_width == 1:
+        return reference.residual_encode_reference(z, codebooks, stage_groups)
+    return reference.residual_encode_beam_reference(z, codebooks, stage_groups, beam_width)
 
 
 @residual_encode.register_kernel("cuda")
-def _residual_encode_cuda(z, codebooks, stage_groups):
+def _residual_encode_cuda(z, codebooks, stage_groups, beam_width=1):
+    _check_beam_width(beam_width)
+    if beam_width > 1:  # the Triton kernel is the greedy encoder; beam search runs as batched PyTorch ops
+        return reference.residual_encode_beam_reference(z, codebooks, stage_groups, beam_width)
     if not triton_available() or not (_power_of_two(codebooks.shape[1]) and _power_of_two(codebooks.shape[2])):
         return reference.residual_encode_reference(z, codebooks, stage_groups)
     from .triton_encode import residual_encode_triton
@@ -142,5 +157,10 @@ def _residual_encode_cuda(z, codebooks, stage_groups):
 
 
 @residual_encode.register_fake
-def _residual_encode_fake(z, codebooks, stage_groups):
+def _residual_encode_fake(z, codebooks, stage_groups, beam_width=1):
     return z.new_empty(z.shape[0], codebooks.shape[0], dtype=torch.uint8)
+
+
+def _check_beam_width(beam_width: int) -> None:
+    if not 1 <= beam_width <= MAX_BEAM_WIDTH:
+        raise ValueError(f"beam_width must be between 1 (greedy) and {MAX_BEAM_WIDTH}, got {beam_width}.")

@@ -42,6 +42,54 @@ def residual_encode_reference(z: torch.Tensor, codebooks: torch.Tensor, stage_gr
     return codes
 
 
+# Beam search scores beam_width x K candidates per vector and stage; rows are taken in chunks so that this stays
+# around 64 MB whatever the prompt length.
+BEAM_SCORES_PER_CHUNK = 1 << 24
+
+
+def residual_encode_beam_reference(z: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
+                                   beam_width: int) -> torch.Tensor:
+    """Beam-search residual VQ: ``z`` ``[R, D]`` -> codes ``[R, S]`` uint8, same contract as the greedy encoder.
+
+    Greedy encoding commits to the nearest codeword at every stage, though a slightly worse first choice can leave a
+    residual that later stages code much better. Groups are coded independently (each stage codes one group's
+    residual), so the search runs per group over that group's stages in order: every partial code path of the
+    ``beam_width`` kept so far is extended by each of the stage's ``K`` codewords, and the ``beam_width`` extensions
+    with the smallest remaining squared error survive. The path with the smallest final error wins. ``beam_width=1``
+    gives the greedy encoder's codes (up to exact ties).
+    """
+    rows, dim = z.shape
+    stages, size, group_dim = codebooks.shape
+    codes = torch.empty(rows, stages, dtype=torch.uint8, device=z.device)
+    if rows == 0 or stages == 0:
+        return codes
+    group_of_stage = [int(group) for group in stage_groups.tolist()]
+    chunk_rows = max(1, BEAM_SCORES_PER_CHUNK // (beam_width * size))
+    for start in range(0, rows, chunk_rows):
+        block = z[start : start + chunk_rows].float()
+        n = block.shape[0]
+        for group in dict.fromkeys(group_of_stage):  # first-appearance order
+            members = [stage for stage, g in enumerate(group_of_stage) if g == group]
+            residual = block[:, None, group * group_dim : (group + 1) * group_dim]  # [n, beams, g]
+            parents, words = [], []
+            for stage in members:
+                codebook = codebooks[stage].float()
+                beams = residual.shape[1]
+                errors = (  # |r - c|^2 for every beam and codeword: [n, beams * K]
+                    residual.pow(2).sum(-1, keepdim=True) - 2 * residual @ codebook.T + codebook.pow(2).sum(-1)
+                ).reshape(n, beams * size)
+                survivors = errors.topk(min(beam_width, beams * size), dim=1, largest=False).indices
+                parent, word = survivors // size, survivors % size
+                residual = residual.gather(1, parent[..., None].expand(-1, -1, group_dim)) - codebook[word]
+                parents.append(parent)
+                words.append(word)
+            best = residual.pow(2).sum(-1).argmin(dim=1, keepdim=True)
+            for stage, parent, word in zip(reversed(members), reversed(parents), reversed(words)):
+                codes[start : start + n, stage] = word.gather(1, best)[:, 0].to(torch.uint8)
+                best = parent.gather(1, best)
+    return codes
+
+
 # ---- decode attention over the coded region ------------------------------------------------------------------------
 def rotary_tables(positions: torch.Tensor, inv_freq: torch.Tensor, attention_scaling: float):
     """cos/sin ``[B, N, D]`` for integer positions ``[B, N]`` (transformers' rotate-half convention)."""

@@ -130,7 +130,9 @@ def test_least_squares_gain_is_refitted_to_the_coded_shape_and_never_loses(scale
     for stages in (1, 0):  # lower rates (prefixes reading the parent's decode table), down to the mean alone
         prefix = codec.truncated(stages)
         prefix_codes, prefix_stored = prefix.encode(test, gain="least_squares")
-        assert torch.equal(prefix_codes, codes[..., :stages])  # the gain is chosen after the codes, never before
+        # the gain is chosen after the codes, never before (greedy codes of a prefix are a prefix of the codes)
+        assert torch.equal(prefix.encode(test, gain="least_squares", beam_width=1)[0],
+                           codec.encode(test, gain="rms", beam_width=1)[0][..., :stages])
         assert torch.all(error(prefix, prefix_codes, prefix_stored) <= error(prefix, prefix_codes, rms_stored) * (1 + 1e-5) + 1e-7)
 
 
@@ -147,7 +149,6 @@ def test_default_gain_restores_each_vectors_norm(scale_bits, with_metric):
     assert torch.all((restored - 1).abs() < tolerance)
     assert shrunk.mean() < 0.99  # what the RMS scale does: residual VQ returns shorter vectors
     assert (shrunk - 1).abs().mean() > 5 * (restored - 1).abs().mean()
-    assert torch.equal(codec.truncated(1).encode(test)[0], codes[..., :1])
     with pytest.raises(ValueError, match="gain must be one of"):
         codec.encode(test, gain="l2")
 
@@ -236,3 +237,18 @@ def test_learners_survive_tiny_residuals_and_more_codewords_than_samples(learner
     codebook = fit_codebook(x, 256, learner=learner, weights=torch.rand(100, generator=generator), n_iter=3)
     assert codebook.shape == (256, 8) and torch.isfinite(codebook).all()
     assert (x - codebook[nearest_codeword(x, codebook)]).norm(dim=1).max() < 1e-7
+
+
+def test_beam_search_lowers_the_coding_error_and_greedy_is_its_first_beam():
+    samples = _correlated_vectors(n=4000, seed=11)
+    codec = fit_transform_residual_vq(samples[:, :3000], max_stages=6, group_dim=8, codebook_bits=5, n_iter=6)
+    test = samples[:, 3000:]
+    greedy = codec.reconstruct(test, gain="least_squares", beam_width=1)
+    beam = codec.reconstruct(test, gain="least_squares", beam_width=8)
+    greedy_error, beam_error = relative_mse(test, greedy), relative_mse(test, beam)
+    assert beam_error < 0.97 * greedy_error  # measured ~0.9 here; 15 % lower KL on the default model's cache
+    codes = codec.encode(test, beam_width=1)[0]
+    assert torch.equal(codes, codec.encode(test, beam_width=1, gain="rms")[0])
+    for bad in (0, 65, 2.0, True):
+        with pytest.raises(ValueError, match="beam_width must be an integer from 1"):
+            codec.encode(test, beam_width=bad)

@@ -30,6 +30,17 @@ def test_unknown_cache_config_key(tiny_model, tiny_codebooks_dir):
                             cache_config={"codebooks": str(tiny_codebooks_dir), "windowlength": 3})
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("beam_width", 0, "beam_width must be an integer from 1 \\(greedy\\) to 64, got 0"),
+    ("beam_width", "8", "beam_width must be an integer"),
+    ("gain", "l2", "gain must be one of \\('norm', 'least_squares', 'rms'\\)"),
+])
+def test_bad_encoder_options_in_cache_config(tiny_model, tiny_codebooks_dir, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="gsrq",
+                            cache_config={"codebooks": str(tiny_codebooks_dir), option: value})
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"num_hidden_layers": 3}, "num_hidden_layers"),
     ({"num_key_value_heads": 4}, "num_key_value_heads"),

@@ -119,14 +119,19 @@ def test_coded_cache_stores_codes_once_and_holds_no_float_copy(tiny_model, tiny_
     encoded_tokens = []
     original_encode = TransformResidualVQ.encode
 
-    def counting_encode(self, x):
+    encoder_options = set()
+
+    def counting_encode(self, x, **options):
         encoded_tokens.append(x.shape[1])
-        return original_encode(self, x)
+        encoder_options.add(tuple(sorted(options.items())))
+        return original_encode(self, x, **options)
 
     monkeypatch.setattr(TransformResidualVQ, "encode", counting_encode)
     ids = _prompt(1, 30)
-    out = _greedy(tiny_model, ids, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **CODED},
+    out = _greedy(tiny_model, ids, cache_implementation="gsrq",
+                  cache_config={"codebooks": str(tiny_codebooks_dir), "beam_width": 3, "gain": "least_squares", **CODED},
                   return_dict_in_generate=True)
+    assert encoder_options == {(("beam_width", 3), ("gain", "least_squares"))}  # cache_config reaches the encoder
     cache = out.cache
     layer = cache.layers[0]
     lengths = layer.region_lengths()

@@ -227,9 +227,64 @@ def test_encoder_kernel_matches_reference(dim, stages):
     got = residual_encode_triton(z, codebooks, groups)
     # greedy stages: a near-tie decided differently would change later stages too, so compare whole rows
     assert (got == expected).all(dim=1).float().mean() >= 0.97
-    assert torch.equal(residual_encode(z, codebooks, groups), expected)  # the op on CPU is the reference
+    on_cpu = residual_encode(z, codebooks, groups)  # the compiled loop at beam width 1, or the reference
+    assert (on_cpu == expected).all(dim=1).float().mean() >= 0.97
     meta = residual_encode(z.to("meta"), codebooks.to("meta"), groups.to("meta"))
     assert meta.shape == expected.shape and meta.dtype == torch.uint8
+
+
+def _coding_error(z, codebooks, groups, codes):
+    residual = z.reshape(z.shape[0], -1, codebooks.shape[2]).clone()
+    for stage, group in enumerate(groups.tolist()):
+        residual[:, group] -= codebooks[stage][codes[:, stage].long()]
+    return residual.pow(2).sum((1, 2))
+
+
+def test_beam_search_finds_the_exhaustive_optimum_when_the_beam_holds_every_path():
+    generator = torch.Generator().manual_seed(5)
+    z = torch.randn(300, 16, generator=generator)
+    codebooks = torch.randn(3, 4, 8, generator=generator)
+    groups = torch.tensor([1, 0, 1])  # group 1 has two stages: 16 paths; group 0 one stage
+    codes = reference.residual_encode_beam_reference(z, codebooks, groups, beam_width=16)
+    paths = torch.cartesian_prod(torch.arange(4), torch.arange(4))  # (stage 0 word, stage 2 word)
+    decoded = codebooks[0][paths[:, 0]] + codebooks[2][paths[:, 1]]
+    optimum = torch.cdist(z[:, 8:], decoded).argmin(dim=1)
+    assert torch.equal(codes[:, [0, 2]].long(), paths[optimum])
+    assert torch.equal(codes[:, 1].long(), torch.cdist(z[:, :8], codebooks[1]).argmin(dim=1))
+    greedy = reference.residual_encode_reference(z, codebooks, groups)
+    assert torch.equal(reference.residual_encode_beam_reference(z, codebooks, groups, beam_width=1), greedy)
+    optimal_error, greedy_error = (_coding_error(z, codebooks, groups, c) for c in (codes, greedy))
+    assert torch.all(optimal_error <= greedy_error + 1e-5) and optimal_error.sum() < greedy_error.sum()
+
+
+@pytest.mark.parametrize("beam_width", [1, 3, 8])
+def test_compiled_beam_encoder_matches_reference(beam_width):
+    generator = torch.Generator().manual_seed(6)
+    z = torch.randn(257, 64, generator=generator) * torch.linspace(2, 0.2, 64)
+    codebooks = torch.randn(9, 32, 8, generator=generator) * 0.7
+    groups = torch.tensor([0, 0, 1, 0, 2, 1, 3, 7, 0])
+    expected = reference.residual_encode_beam_reference(z, codebooks, groups, beam_width)
+    got = residual_encode(z, codebooks, groups, beam_width)  # compiled loop when it builds, else the reference
+    assert (got == expected).all(dim=1).float().mean() >= 0.97  # near-ties may go either way
+    got_error, expected_error = (_coding_error(z, codebooks, groups, c).sum() for c in (got, expected))
+    assert abs(got_error - expected_error) <= 1e-3 * expected_error
+    with pytest.raises(ValueError, match="beam_width must be between 1"):
+        residual_encode(z, codebooks, groups, 0)
+    torch.library.opcheck(ops.residual_encode, (z, codebooks, groups, beam_width), test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_compiler
+def test_compiled_beam_encoder_is_used_on_cpu(monkeypatch):
+    assert native_ops() is not None, build_error()
+    generator = torch.Generator().manual_seed(8)
+    z, codebooks, groups = torch.randn(40, 16, generator=generator), torch.randn(2, 8, 8, generator=generator), torch.tensor([0, 1])
+    calls = []
+    monkeypatch.setattr(reference, "residual_encode_beam_reference", lambda *args: calls.append(args) or torch.zeros(40, 2, dtype=torch.uint8))
+    residual_encode(z, codebooks, groups, 4)
+    assert not calls
+    monkeypatch.setenv("HF_KVCODECS_KERNELS", "reference")
+    residual_encode(z, codebooks, groups, 4)
+    assert len(calls) == 1
 
 
 def test_encoder_picks_the_nearest_codeword_per_stage():

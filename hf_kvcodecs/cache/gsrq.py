@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..codecs.gsrq_codebooks import GSRQCodebooks
-from ..codecs.residual import TransformResidualVQ
+from ..codecs.residual import DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_encoder_options
 from ..integrations.attention import CODE_LAYER_ATTRIBUTE, is_code_attention
 from .rope import apply_rope, rotary_cos_sin, undo_rope
 
@@ -32,7 +32,7 @@ DEFAULT_FLUSH_INTERVAL = 32
 DEFAULT_NUM_SINK_TOKENS = 4
 CACHE_CONFIG_KEYS = (
     "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "attention",
-    "config",
+    "beam_width", "gain", "config",
 )
 ATTENTION_CHOICES = ("auto", "codes", "dequantize")
 
@@ -94,8 +94,11 @@ class GSRQLayer(CacheLayerMixin):
         window_length: int,
         flush_interval: int,
         num_sink_tokens: int,
+        beam_width: int = DEFAULT_BEAM_WIDTH,
+        gain: str = DEFAULT_GAIN,
     ):
         super().__init__()
+        self.beam_width, self.gain = beam_width, gain
         self.key_codec, self.value_codec = key_codec, value_codec
         self.ledger = ledger
         self.key_space = key_space
@@ -228,11 +231,10 @@ class GSRQLayer(CacheLayerMixin):
     def _cos_sin(self, start: int, end: int):
         return self.ledger.rotary_angles(start, end, self.rope_inv_freq, self.rope_attention_scaling)
 
-    @staticmethod
-    def _encode(codec: TransformResidualVQ, states: torch.Tensor):
+    def _encode(self, codec: TransformResidualVQ, states: torch.Tensor):
         batch, heads, tokens, dim = states.shape
         flat = states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
-        codes, scales = codec.encode(flat)
+        codes, scales = codec.encode(flat, gain=self.gain, beam_width=self.beam_width)
         codes = codes.reshape(heads, batch, tokens, -1).permute(1, 0, 2, 3).contiguous()
         scales = scales.reshape(heads, batch, tokens).permute(1, 0, 2).contiguous()
         return codes, scales
@@ -356,6 +358,10 @@ class GSRQCache(Cache):
             ``"dequantize"``: decode the history and hand it to the model's own attention. ``"auto"`` (default):
             ``"codes"`` when ``config`` says the model uses a code-reading attention implementation, else
             ``"dequantize"``. The choice is in ``cache.attention_path``.
+        beam_width: code paths the encoder keeps per group of stages (default 8; 1 = greedy, the fastest prefill:
+            encoding takes about 1.4x longer at 8 on CPU, for 15 % lower KL at 2 bits on the default model).
+        gain: how each coded vector's scale is chosen once its codes are: ``"norm"`` (default, decoded vectors
+            as long as their inputs), ``"least_squares"`` or ``"rms"`` (see ``TransformResidualVQ.encode``).
 
     Use it as ``model.generate(..., cache_implementation="gsrq", cache_config={"codebooks": DIR, "bits": 2})``
     (after ``import hf_kvcodecs``) or ``model.generate(..., cache=GSRQCache(model.config, codebooks=DIR))``.
@@ -366,7 +372,7 @@ class GSRQCache(Cache):
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
                  flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS,
-                 attention: str = "auto", **unknown):
+                 attention: str = "auto", beam_width: int = DEFAULT_BEAM_WIDTH, gain: str = DEFAULT_GAIN, **unknown):
         if unknown:
             raise ValueError(
                 f"Unknown GSRQCache option(s) {sorted(unknown)}; valid cache_config keys are {list(CACHE_CONFIG_KEYS)}."
@@ -384,6 +390,8 @@ class GSRQCache(Cache):
             raise ValueError("flush_interval must be at least 1.")
         if attention not in ATTENTION_CHOICES:
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
+        check_encoder_options(gain, beam_width)
+        self.beam_width, self.gain = beam_width, gain
         self.codebooks = load_codebooks(codebooks)
         if config is not None:
             self.codebooks.check_fits(config)
@@ -402,6 +410,8 @@ class GSRQCache(Cache):
             window_length=window_length,
             flush_interval=flush_interval,
             num_sink_tokens=num_sink_tokens,
+            beam_width=beam_width,
+            gain=gain,
         )
         layers = [
             GSRQLayer(k, v, **layer_settings)

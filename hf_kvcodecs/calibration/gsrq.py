@@ -12,7 +12,10 @@ from tqdm.auto import tqdm
 from ..cache.rope import find_rotary_parameters
 from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
-from ..codecs.residual import LOG_SCALE_BITS, fit_transform_residual_vq, stages_for_rate, gaussian_rate_distortion_reference, relative_mse
+from ..codecs.residual import (
+    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
+    relative_mse, stages_for_rate,
+)
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
 from .collect import collect_kv_samples
@@ -131,6 +134,7 @@ def fit_gsrq_codebooks(
         "seconds_collecting": collected - started, "seconds_fitting": finished - collected,
         "seconds_total": finished - started,
         "bits_per_element_at_max": (max_stages * codebook_bits + scale_bits) / head_dim,
+        "holdout_encoder": {"revision": ENCODER_REVISION, "gain": DEFAULT_GAIN, "beam_width": DEFAULT_BEAM_WIDTH},
         "holdout_mean": {k: mean(k) for k in per_layer[0]},
         "holdout_per_layer": per_layer,
     }

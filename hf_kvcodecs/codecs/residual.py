@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..kernels import residual_encode
+from ..kernels.ops import MAX_BEAM_WIDTH
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 
 FP16_SCALE_BITS = 16
@@ -35,13 +36,17 @@ SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
 LOG_SCALE_MARGIN = 1.0
 _EPS = 1e-8
 # Changes whenever encode() picks other codes or scales for the same codebooks (2: least-squares gain after the codes;
-# 3: norm-restoring gain). Files stay readable across revisions; the calibration store re-calibrates so stored
-# held-out statistics describe the encoder in use.
-ENCODER_REVISION = 3
+# 3: norm-restoring gain; 4: beam search). Files stay readable across revisions; the calibration store re-calibrates
+# so stored held-out statistics describe the encoder in use.
+ENCODER_REVISION = 4
 # How encode() chooses the stored scale after the codes (see TransformResidualVQ._refit_gains).
 GAIN_CHOICES = ("norm", "least_squares", "rms")
 DEFAULT_GAIN = "norm"
 MAX_NORM_STRETCH = 16.0  # the norm gain never multiplies a decoded shape's length by more than this
+# Code paths encode() keeps per group while searching its stages (1: greedy). On the default model at 2 bits, 8 beams
+# cut teacher-forced KL by 15 % against greedy (4: 12 %, 32: no further gain) for 1.4x the greedy encoder's time
+# with the compiled CPU loop.
+DEFAULT_BEAM_WIDTH = 8
 
 
 @dataclass
@@ -123,21 +128,23 @@ class TransformResidualVQ:
         )
 
     # ---- coding ---------------------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, gain: str = DEFAULT_GAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, x: torch.Tensor, gain: str = DEFAULT_GAIN,
+               beam_width: int = DEFAULT_BEAM_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: ``[H, N, D]`` -> (codes ``[H, N, S]`` uint8, stored scales ``[H, N]``: :attr:`scale_dtype`).
 
+        ``beam_width``: code paths kept per group while its stages are searched (1: greedy, each stage takes the
+        nearest codeword; more find codes with less total error, at about ``beam_width`` times the work).
         ``gain`` chooses the stored scale once the codes are chosen (the decoder is the same for all three):
         ``"norm"`` (default) makes each decoded vector as long as its input, ``"least_squares"`` minimizes each
         vector's squared error, ``"rms"`` keeps the RMS the vector was normalized by. See :meth:`_refit_gains`.
         """
-        if gain not in GAIN_CHOICES:
-            raise ValueError(f"gain must be one of {GAIN_CHOICES}, got {gain!r}.")
+        check_encoder_options(gain, beam_width)
         self._check_input(x)
         scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
         z = self._analyze(x.float(), scale_values)  # coded relative to the scale the decoder will use
         num_heads, n, dim = z.shape
-        # hf_kvcodecs::residual_encode: Triton kernel on CUDA, kernels/reference.py elsewhere
-        codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups)
+        # hf_kvcodecs::residual_encode: compiled loop on CPU, Triton (greedy) on CUDA, kernels/reference.py otherwise
+        codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups, beam_width)
         codes = codes.reshape(num_heads, n, self.num_stages)
         if gain == "rms":
             return codes, scales
@@ -232,8 +239,8 @@ class TransformResidualVQ:
             self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups)
         return self._folded
 
-    def reconstruct(self, x: torch.Tensor, gain: str = DEFAULT_GAIN) -> torch.Tensor:
-        codes, scales = self.encode(x, gain)
+    def reconstruct(self, x: torch.Tensor, gain: str = DEFAULT_GAIN, beam_width: int = DEFAULT_BEAM_WIDTH) -> torch.Tensor:
+        codes, scales = self.encode(x, gain, beam_width)
         return self.decode(codes, scales, dtype=x.dtype)
 
     def _analyze(self, x, scales):
@@ -276,6 +283,14 @@ class TransformResidualVQ:
             tensors[f"{prefix}.synthesis"].float() if f"{prefix}.synthesis" in tensors else None,
             tensors[f"{prefix}.log_scale_range"].float() if f"{prefix}.log_scale_range" in tensors else None,
         )
+
+
+def check_encoder_options(gain: str, beam_width: int) -> None:
+    """Clear errors for encoder options (they also arrive through ``cache_config``)."""
+    if gain not in GAIN_CHOICES:
+        raise ValueError(f"gain must be one of {GAIN_CHOICES}, got {gain!r}.")
+    if isinstance(beam_width, bool) or not isinstance(beam_width, int) or not 1 <= beam_width <= MAX_BEAM_WIDTH:
+        raise ValueError(f"beam_width must be an integer from 1 (greedy) to {MAX_BEAM_WIDTH}, got {beam_width!r}.")
 
 
 def quantize_scales(rms: torch.Tensor, log_scale_range: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
