@@ -32,3 +32,21 @@ def test_gpu_benchmark_script_runs_its_parity_check_and_writes_results(tmp_path)
     sdpa = next(row for row in results["rows"] if row["method"] == "sdpa-fp16")
     assert gsrq["bytes"] < sdpa["bytes"] / 3  # codes + scales + positions vs fp16 keys and values
     assert (tmp_path / "gpu.md").read_text().startswith("GPU decode attention")
+
+
+def test_decode_table_reports_prefill_time_next_to_decode_speed():
+    from hf_kvcodecs.bench.decode import REFERENCE, decode_markdown
+
+    def row(name, tokens_per_s, prefill_s):
+        speed = {"1024": {"tokens_per_s": tokens_per_s, "ratio_to_fp32": tokens_per_s / 20.0, "prefill_s": prefill_s,
+                          "prefill_ratio_to_fp32": prefill_s / 2.0}}
+        return {"method": name, "speed": speed,
+                "memory": {"bits_per_element": 2.5, "held_mib": 1.0, "transient_mib": 2.0, "shared_mib": 3.0},
+                "quality": {"kl_mean": 0.05, "top1_agreement": 0.9, "delta_ppl_pct": 12.0, "delta_ppl_pct_se": 5.0}}
+
+    results = {"contexts": [1024], "model": "m", "text": "t", "steps": 4, "repeats": 3, "threads": 2, "memory_steps": 2,
+               "seconds": 1.0, "environment": {"date": "today", "versions": {"torch": "x", "transformers": "y"}},
+               "rows": [row(REFERENCE, 20.0, 2.0), row("GSRQ", 16.0, 3.0)]}
+    table = decode_markdown(results)
+    assert "| GSRQ | 3.00 (1.50×) |" in table and "prefill s @1024 (×)" in table
+    assert "16.0 (0.80×)" in table

@@ -1,8 +1,8 @@
 """`hf-kvcodecs bench decode`: decode speed and decode-time memory of GSRQ's code-reading attention, side by side
 with its dequantize path and the caches transformers ships, on one model in one run.
 
-Speed: after an untimed prefill of ``context`` real-text tokens, ``steps`` single-token decode steps are timed;
-the per-run median step time gives tokens/s, the reported value is the median over interleaved repeats (the method
+Speed: the prefill of ``context`` real-text tokens is timed on its own (time to the first token, the cache's encoding
+of the prompt included), then ``steps`` single-token decode steps are timed; the per-run median step time gives tokens/s, the reported value is the median over interleaved repeats (the method
 order rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache
 of the same run.
 
@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from ..cache import GSRQCache
 from ..calibration.store import ensure_codebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
+from ..codecs.residual import DEFAULT_BEAM_WIDTH
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -71,14 +72,20 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
             settings["key_space"] = key_space
         codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress, **settings)
         paths = ("dequantize", "codes") if key_space == "pre_rope" else ("codes",)
-        for path in paths:
+        variants = [(path, DEFAULT_BEAM_WIDTH) for path in paths]
+        if key_space == "pre_rope":  # what the encoder's beam search costs at prefill and buys in quality
+            variants.append(("codes", 1))
+        for path, beam_width in variants:
             how = {"dequantize": "dequantize + SDPA",
                    "codes": "code-reading, " + ("keys rebuilt from codes" if key_space == "pre_rope" else "lookup tables")}[path]
+            if beam_width != DEFAULT_BEAM_WIDTH:
+                how += ", greedy encoder" if beam_width == 1 else f", {beam_width}-beam encoder"
             methods.append(DecodeMethod(
                 f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}", "gsrq",
-                lambda m, c=codebooks, p=path: GSRQCache(m.config, codebooks=c, bits=bits, attention=p),
+                lambda m, c=codebooks, p=path, w=beam_width: GSRQCache(m.config, codebooks=c, bits=bits, attention=p,
+                                                                       beam_width=w),
                 expected_path=path,
-                extra={"codebooks": str(directory), "key_space": key_space, "attention": path,
+                extra={"codebooks": str(directory), "key_space": key_space, "attention": path, "beam_width": beam_width,
                        "holdout_relative_mse": codebooks.calibration["holdout_mean"]},
             ))
     return methods
@@ -103,19 +110,26 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
     speed = {m.name: {} for m in methods}
     for context in contexts:
         runs = {m.name: [] for m in methods}
+        prefills = {m.name: [] for m in methods}
         bar = tqdm(total=repeats * len(methods), desc=f"decode @ {context}", disable=not progress)
         for repeat in range(repeats):
             order = methods[repeat % len(methods):] + methods[:repeat % len(methods)]
             for method in order:
+                began = time.perf_counter()
                 cache, prompt_length = _prefilled(models[method.precision], method, token_ids, context)
+                prefills[method.name].append(time.perf_counter() - began)  # the prompt's forward pass and its encoding
                 runs[method.name].append(_timed_steps(models[method.precision], cache, token_ids, prompt_length, steps))
                 bar.update()
         bar.close()
         reference = statistics.median(1 / statistics.median(run) for run in runs[REFERENCE])
+        reference_prefill = statistics.median(prefills[REFERENCE])
         for name, method_runs in runs.items():
             tokens_per_s = statistics.median(1 / statistics.median(run) for run in method_runs)
+            prefill_s = statistics.median(prefills[name])
             speed[name][str(context)] = {"tokens_per_s": tokens_per_s, "ratio_to_fp32": tokens_per_s / reference,
-                                         "runs_tokens_per_s": [1 / statistics.median(run) for run in method_runs]}
+                                         "runs_tokens_per_s": [1 / statistics.median(run) for run in method_runs],
+                                         "prefill_s": prefill_s, "prefill_ratio_to_fp32": prefill_s / reference_prefill,
+                                         "runs_prefill_s": prefills[name]}
 
     memory = {}
     shape = model_fingerprint(loaded.model.config)
@@ -248,7 +262,7 @@ def decode_markdown(results: dict) -> str:
         "",
         f"- Model: {results['model']}",
         f"- Text: {results['text']}",
-        f"- Speed: {results['steps']} decode steps after an untimed prefill; tokens/s = 1 / median step time; median "
+        f"- Speed: {results['steps']} decode steps after the prefill; tokens/s = 1 / median step time; median "
         f"of {results['repeats']} interleaved repeats; × = ratio to `{REFERENCE}` in the same run; "
         f"{results['threads']} torch threads",
         f"- Memory at {longest} tokens: `held` = tensors the cache holds (per-model tables in `shared`); `transient` = "
@@ -271,6 +285,19 @@ def decode_markdown(results: dict) -> str:
         lines.append(f"| {row['method']} | {quality['kl_mean']:.3f} | {quality['top1_agreement']:.3f} | "
                      f"{quality['delta_ppl_pct']:+.1f} ± {error if error is None else round(error, 1)} | " + " | ".join(cells) + f" | {memory['bits_per_element']:.2f} | "
                      f"{memory['held_mib']:.1f} | {memory['transient_mib']:.1f} | {memory['shared_mib']:.1f} |")
+    if all("prefill_s" in row["speed"][str(c)] for row in results["rows"] for c in contexts):
+        lines += [
+            "",
+            f"Prefill (time to the first token): seconds for the prompt's forward pass, including the cache's "
+            f"encoding of it; median of {results['repeats']} runs; × = ratio to `{REFERENCE}`.",
+            "",
+            "| method | " + " | ".join(f"prefill s @{c} (×)" for c in contexts) + " |",
+            "|---|" + "---|" * len(contexts),
+        ]
+        for row in results["rows"]:
+            lines.append(f"| {row['method']} | " + " | ".join(
+                f"{row['speed'][str(c)]['prefill_s']:.2f} ({row['speed'][str(c)]['prefill_ratio_to_fp32']:.2f}×)"
+                for c in contexts) + " |")
     return "\n".join(lines) + "\n"
 
 
