@@ -147,13 +147,15 @@ def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor, beam_wid
 @residual_encode.register_kernel("cuda")
 def _residual_encode_cuda(z, codebooks, stage_groups, beam_width=1):
     _check_beam_width(beam_width)
-    if beam_width > 1:  # the Triton kernel is the greedy encoder; beam search runs as batched PyTorch ops
-        return reference.residual_encode_beam_reference(z, codebooks, stage_groups, beam_width)
     if not triton_available() or not (_power_of_two(codebooks.shape[1]) and _power_of_two(codebooks.shape[2])):
-        return reference.residual_encode_reference(z, codebooks, stage_groups)
-    from .triton_encode import residual_encode_triton
+        if beam_width == 1:
+            return reference.residual_encode_reference(z, codebooks, stage_groups)
+        return reference.residual_encode_beam_reference(z, codebooks, stage_groups, beam_width)
+    from .triton_encode import residual_encode_beam_triton, residual_encode_triton
 
-    return residual_encode_triton(z, codebooks, stage_groups)
+    if beam_width == 1:
+        return residual_encode_triton(z, codebooks, stage_groups)
+    return residual_encode_beam_triton(z, codebooks, stage_groups, beam_width)
 
 
 @residual_encode.register_fake
