@@ -1,10 +1,10 @@
 """`hf-kvcodecs bench decode`: decode speed and decode-time memory of GSRQ's code-reading attention, side by side
 with its dequantize path and the caches transformers ships, on one model in one run.
 
-Speed: the prefill of ``context`` real-text tokens is timed on its own (time to the first token, the cache's encoding
-of the prompt included), then ``steps`` single-token decode steps are timed; the per-run median step time gives tokens/s, the reported value is the median over interleaved repeats (the method
-order rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache
-of the same run.
+Speed: the prefill of ``context`` real-text tokens is timed on its own (time to the first token, the cache's
+encoding of the prompt included), then ``steps`` single-token decode steps are timed; the per-run median step time
+gives tokens/s, the reported value is the median over interleaved repeats (the method order rotates each repeat so
+machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache of the same run.
 
 Memory at the largest context: bytes of the tensors each cache holds (counted from the objects, per-model tables
 apart), and the transient memory a decode step needs on top: the peak of the process's resident memory during the

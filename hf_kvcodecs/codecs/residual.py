@@ -143,7 +143,7 @@ class TransformResidualVQ:
         scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
         z = self._analyze(x.float(), scale_values)  # coded relative to the scale the decoder will use
         num_heads, n, dim = z.shape
-        # hf_kvcodecs::residual_encode: compiled loop on CPU, Triton (greedy) on CUDA, kernels/reference.py otherwise
+        # hf_kvcodecs::residual_encode: compiled loop on CPU, Triton kernels on CUDA, kernels/reference.py otherwise
         codes = residual_encode(z.reshape(num_heads * n, dim), self.codebooks, self.stage_groups, beam_width)
         codes = codes.reshape(num_heads, n, self.num_stages)
         if gain == "rms":
