@@ -1,9 +1,9 @@
 """Triton kernels: residual-VQ encoding of transform-domain vectors, greedy (nearest codeword per stage) and beam
 search (``_residual_encode_beam_kernel``, reference ``residual_encode_beam_reference``).
 
-Greedy: each program encodes ``BLOCK_R`` vectors through all stages. A stage reads its group's running residual, scores all
-``K`` codewords (``r.c - |c|^2 / 2``), keeps the arg-max and writes the updated residual back, so later stages of the
-same group see it. Reference: ``residual_encode_reference`` in ``reference.py``.
+Greedy: each program encodes ``BLOCK_R`` vectors through all stages. A stage reads its group's running residual,
+scores all ``K`` codewords (``r.c - |c|^2 / 2``), keeps the arg-max and writes the updated residual back, so later
+stages of the same group see it. Reference: ``residual_encode_reference`` in ``reference.py``.
 """
 
 from __future__ import annotations
