@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from .codecs.joint import CODEC_LAYOUTS, DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
 
@@ -40,7 +41,7 @@ def cmd_calibrate(args) -> int:
     codebooks = calibrate_gsrq(
         loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,
         weighted=not args.unweighted, transform=args.transform, metric=args.metric, key_space=args.key_space,
-        group_dim=args.group_dim, scale_bits=args.scale_bits,
+        key_layout=args.key_layout, value_layout=args.value_layout, group_dim=args.group_dim, scale_bits=args.scale_bits,
         num_windows=args.windows, seed=args.seed, out=args.out,
     )
     summary = {
@@ -263,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--metric", default="none", choices=["none", "attention"],
                            help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
+    calibrate.add_argument("--key-layout", default=DEFAULT_KEY_LAYOUT, choices=list(CODEC_LAYOUTS),
+                           help="'per_head': one code per key head vector; 'joint_heads': one code per token for all "
+                                "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows)")
+    calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(CODEC_LAYOUTS),
+                           help="the same for values (default joint_heads: lower error at about the same decode speed)")
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
                            help="per-vector scale: 8-bit log-uniform levels (default) or fp16")

@@ -23,10 +23,10 @@ CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogra
 
 def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
     """``[H, S*K, D]``: row ``s*K + k`` of head ``h`` is codeword ``k`` of stage ``s``, placed in its group, times
-    ``synthesis[h]``; a key is then ``scale * (mean + sum of S rows)``."""
+    ``synthesis[h]`` (``[Dt, D]``); a key is then ``scale * (mean + sum of S rows)``."""
     stages, size, group_dim = codebooks.shape
-    heads, dim, _ = synthesis.shape
-    rows = synthesis.reshape(heads, dim // group_dim, group_dim, dim)[:, stage_groups.long()]  # [H, S, g, D]
+    heads, transform_dim, dim = synthesis.shape
+    rows = synthesis.reshape(heads, transform_dim // group_dim, group_dim, dim)[:, stage_groups.long()]  # [H, S, g, D]
     return torch.einsum("skg,hsgd->hskd", codebooks.float(), rows.float()).reshape(heads, stages * size, dim).contiguous()
 
 
@@ -37,7 +37,7 @@ def coded_attention_cpu(
     key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
 ):
     batch, query_heads, query_length, dim = query.shape
-    kv_heads, tokens, key_stages = key_codes.shape[1], key_codes.shape[2], key_codes.shape[3]
+    kv_heads, tokens, key_stages = key_scales.shape[1], key_codes.shape[2], key_codes.shape[3]
     rows = (query_heads // kv_heads) * query_length
     if rows > reference.LOOKUP_MAX_ROWS or tokens == 0:
         return reference.coded_attention_reference(
@@ -61,6 +61,7 @@ def coded_attention_cpu(
             float(scaling),
         )
     elif positions is None:
+        key_codes = key_codes.expand(-1, kv_heads, -1, -1)  # joint-head codes serve every head
         # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
         constant, table = reference._key_lookup_tables(q, key_mean, key_synthesis, key_codebooks, key_stage_groups)
         table = table.transpose(-1, -2).reshape(batch * kv_heads * key_stages * size, rows)
@@ -96,9 +97,17 @@ def coded_attention_cpu(
     lse = torch.logsumexp(scores, dim=-1)
     probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
     if native is not None:
-        histogram, weight_sum = native.value_histogram(
-            probabilities.contiguous(), value_codes.contiguous(), value_scales.float().contiguous(), value_codebooks.shape[1]
-        )
+        size = value_codebooks.shape[1]
+        if value_codes.shape[1] == 1 and kv_heads > 1:
+            # Joint-head codes are shared by every head: one pass over them with all heads' rows at once (the
+            # per-head scales go into the weights) instead of one pass per head.
+            weighted = (probabilities * value_scales.float()[:, :, None, :]).reshape(batch, 1, kv_heads * rows, tokens)
+            histogram, weight_sum = native.value_histogram(weighted.contiguous(), value_codes.contiguous(),
+                                                           torch.ones(batch, 1, tokens), size)
+            histogram, weight_sum = histogram.reshape(batch, kv_heads, rows, -1), weight_sum.reshape(batch, kv_heads, rows)
+        else:
+            histogram, weight_sum = native.value_histogram(probabilities.contiguous(), value_codes.contiguous(),
+                                                           value_scales.float().contiguous(), size)
         out = reference.values_from_histogram(histogram, weight_sum, value_mean, value_synthesis, value_codebooks,
                                               value_stage_groups)
     else:

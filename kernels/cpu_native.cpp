@@ -116,7 +116,8 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const float* sca
 
 void check(bool condition, const char* message) { TORCH_CHECK(condition, "hf_kvcodecs cpu_native: ", message); }
 
-// q [B, H, M, D] f32; codes [B, H, N, S] u8; scales [B, H, N] f32; table [H, R, D] f32 (R >= S * K);
+// q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32;
+// table [H, R, D] f32 (R >= S * K);
 // mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores [B, H, M, N] f32
 at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& table, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
@@ -133,7 +134,9 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
   check(dim % 2 == 0 && dim <= kMaxHeadDim, "head_dim must be even and at most 512");
-  check(codes.size(0) == batch && codes.size(1) == heads, "codes do not match the query's batch and heads");
+  check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1),
+        "codes do not match the query's batch and heads");
+  const int64_t code_heads = codes.size(1);
   check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match codes");
   check(table.size(0) == heads && table.size(2) == dim && table.size(1) >= stages * codebook_size,
         "key table too small for these codes");
@@ -157,7 +160,7 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
       const int64_t b = bh / heads, h = bh % heads;
       const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
       const float* qi = qp + bh * rows * dim;
-      const uint8_t* ci = cp + bh * tokens * stages;
+      const uint8_t* ci = cp + (b * code_heads + h % code_heads) * tokens * stages;
       const float* si = sp + bh * tokens;
       const float* mi = mp + h * dim;
       const float* cosi = cosp + b * tokens * dim;
@@ -179,7 +182,7 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   return out;
 }
 
-// probabilities [B, H, M, N] f32; codes [B, H, N, S] u8; scales [B, H, N] f32
+// probabilities [B, H, M, N] f32; codes [B, H or 1, N, S] u8; scales [B, H, N] f32
 //   -> histogram [B, H, M, S * K] f32 (sum of p * scale per stage and codeword), weight sum [B, H, M] f32
 std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabilities, const at::Tensor& codes,
                                                    const at::Tensor& scales, int64_t codebook_size) {
@@ -190,7 +193,9 @@ std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabiliti
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t batch = probabilities.size(0), heads = probabilities.size(1), rows = probabilities.size(2);
   const int64_t tokens = probabilities.size(3), stages = codes.size(3);
-  check(codes.size(0) == batch && codes.size(1) == heads && codes.size(2) == tokens, "codes do not match");
+  check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1) && codes.size(2) == tokens,
+        "codes do not match");
+  const int64_t code_heads = codes.size(1);
   check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match");
   const int64_t bins = stages * codebook_size;
   // One private histogram per token range (as many ranges per head as threads): no two threads add into the same
@@ -220,7 +225,7 @@ std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabiliti
           weight[m] = pi[m * tokens + t] * scale;
           weight_sum[m] += weight[m];
         }
-        const uint8_t* token_codes = cp + (bh * tokens + t) * stages;
+        const uint8_t* token_codes = cp + (((bh / heads) * code_heads + (bh % heads) % code_heads) * tokens + t) * stages;
         for (int64_t s = 0; s < stages; ++s) {
           const int64_t bin = s * codebook_size + token_codes[s];
           float* counts = histogram + bin * rows;

@@ -4,8 +4,10 @@ Notation (shared with the Triton kernels):
     B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv query heads per KV head (GQA), Lq queries per head,
     M = G * Lq query rows per KV head (row ``m = g * Lq + l``), N coded tokens, D head_dim,
     S residual stages, K codewords per stage, g group_dim (consecutive transform-domain components per stage).
-A coded head vector is ``x = s * (mean + z @ synthesis)`` where ``z`` (``[D]``, transform domain) is the sum over
-stages of the stage's codeword written into its group's ``g`` components, and ``s`` the fp16 per-vector scale.
+A coded head vector is ``x = s * (mean + z @ synthesis)`` where ``z`` (``[Dt]``, transform domain) is the sum over
+stages of the stage's codeword written into its group's ``g`` components, ``synthesis`` is ``[Dt, D]`` per head and
+``s`` the per-vector scale. ``Dt = D`` for per-head codes; joint-head codes (one code per token for all ``Hkv``
+heads: codes ``[B, 1, N, S]``, each head reading them through its own synthesis slice) have ``Dt = Hkv * D``.
 Keys coded before RoPE are rotated with their own position after reconstruction.
 """
 
@@ -116,7 +118,8 @@ def _transform_domain(codes: torch.Tensor, codebooks: torch.Tensor, stage_groups
 def dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups, dtype=torch.float32):
     """Codes ``[B, H, N, S]`` + scales ``[B, H, N]`` -> vectors ``[B, H, N, D]`` (``x = s * (mean + z @ synthesis)``)."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    z = _transform_domain(codes, codebooks.to(work), stage_groups, mean.shape[-1])
+    codes = codes.expand(-1, scales.shape[1], -1, -1)  # joint-head codes: one row shared by every head
+    z = _transform_domain(codes, codebooks.to(work), stage_groups, synthesis.shape[1])
     x = mean.to(work)[None, :, None, :] + torch.einsum("bhnd,hde->bhne", z, synthesis.to(work))
     return (x * scales.to(work)[..., None]).to(dtype)
 
@@ -155,13 +158,15 @@ def coded_attention_reference(
     With more than ``LOOKUP_MAX_ROWS`` query rows per KV head (prefill) both sides reconstruct chunks instead.
     """
     batch, query_heads, query_length, dim = query.shape
-    kv_heads, tokens = key_codes.shape[1], key_codes.shape[2]
+    kv_heads, tokens = key_scales.shape[1], key_codes.shape[2]
     group_count = query_heads // kv_heads
     rows = group_count * query_length
     q = query.float().reshape(batch, kv_heads, rows, dim)
     if tokens == 0:
         return (torch.zeros(batch, query_heads, query_length, dim, device=query.device),
                 torch.full((batch, query_heads, query_length), -math.inf, device=query.device))
+    key_codes = key_codes.expand(-1, kv_heads, -1, -1)  # joint-head codes ([B, 1, N, S]) serve every head
+    value_codes = value_codes.expand(-1, kv_heads, -1, -1)
 
     lookup = rows <= LOOKUP_MAX_ROWS
     scores = torch.empty(batch, kv_heads, rows, tokens, device=query.device)
@@ -218,6 +223,7 @@ def _lookup_scores(tables, codes):
 def _histogram_values(probabilities, codes, scales, mean, synthesis, codebooks, stage_groups, chunk_tokens):
     batch, kv_heads, rows, tokens = probabilities.shape
     stages, size, _ = codebooks.shape
+    codes = codes.expand(-1, kv_heads, -1, -1)
     weights = probabilities * scales.float()[:, :, None, :]  # p_n * s_n
     histogram = torch.zeros(batch, kv_heads, rows, stages * size, device=probabilities.device)
     stage_offsets = torch.arange(stages, device=codes.device) * size
@@ -234,7 +240,7 @@ def values_from_histogram(histogram, weight_sum, mean, synthesis, codebooks, sta
     stage and codeword) and ``weight_sum`` ``[B, Hkv, M]`` (sum of ``p_n * s_n``): the codebooks are read once."""
     batch, kv_heads, rows, _ = histogram.shape
     stages, size, group_dim = codebooks.shape
-    dim = mean.shape[-1]
+    dim = synthesis.shape[1]  # transform-domain components
     per_stage = torch.einsum("bhmsk,skg->bhmsg", histogram.reshape(batch, kv_heads, rows, stages, size), codebooks.float())
     z = torch.zeros(batch, kv_heads, rows, dim // group_dim, group_dim, device=histogram.device)
     z.index_add_(3, stage_groups.long(), per_stage)

@@ -24,10 +24,10 @@ import triton.language as tl
 
 @triton.jit
 def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_mask, S, K: tl.constexpr,
-                    GD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """z ``[BLOCK_N, D]``: every stage's codeword written into its group's components (codes are [tokens, S])."""
-    dims = tl.arange(0, D)
-    z = tl.zeros((BLOCK_N, D), dtype=tl.float32)
+                    GD: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """z ``[BLOCK_N, DT]``: every stage's codeword written into its group's components (codes are [tokens, S])."""
+    dims = tl.arange(0, DT)
+    z = tl.zeros((BLOCK_N, DT), dtype=tl.float32)
     for stage in range(S):
         code = tl.load(codes_ptr + token_offsets * S + stage, mask=token_mask, other=0).to(tl.int32)
         group = tl.load(groups_ptr + stage)
@@ -44,8 +44,9 @@ def _coded_attention_kernel(
     key_mean_ptr, key_synthesis_ptr, key_codebooks_ptr, key_groups_ptr,
     value_mean_ptr, value_synthesis_ptr, value_codebooks_ptr, value_groups_ptr,
     positions_ptr, inv_freq_ptr, mask_ptr, out_ptr, lse_ptr,
-    N, M, LQ, SK, SV, HKV, tokens_per_split, num_splits, scaling, attention_scaling,
-    K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    N, M, LQ, SK, SV, HKV, KEY_CODE_HEADS, VALUE_CODE_HEADS, KEY_DT, VALUE_DT, tokens_per_split, num_splits, scaling,
+    attention_scaling, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, KEY_DT_BLOCK: tl.constexpr,
+    VALUE_DT_BLOCK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
@@ -59,15 +60,23 @@ def _coded_attention_kernel(
     rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     q_rows = q_ptr + (batch_head * M + rows[:, None]) * D
-    matrix = head * D * D + dims[:, None] * D
+    # synthesis [HKV, DT, D]: DT transform components (D per head, HKV * D joint), padded to a power of two in registers
+    key_transform = tl.arange(0, KEY_DT_BLOCK)
+    key_transform_mask = key_transform < KEY_DT
+    key_matrix = head * KEY_DT * D + key_transform[:, None] * D
+    value_transform = tl.arange(0, VALUE_DT_BLOCK)
+    value_transform_mask = value_transform < VALUE_DT
+    value_matrix = head * VALUE_DT * D + value_transform[:, None] * D
 
     if ROPE:
         # Keys coded before RoPE are rebuilt per token: mean + z @ synthesis, in two halves so that the rotation
         # (x_lo, x_hi) -> (x_lo cos - x_hi sin, x_hi cos + x_lo sin) needs no permutation of registers.
         q_lo = tl.load(q_rows + halves[None, :], mask=row_mask[:, None], other=0.0)
         q_hi = tl.load(q_rows + HALF + halves[None, :], mask=row_mask[:, None], other=0.0)
-        synthesis_lo = tl.load(key_synthesis_ptr + matrix + halves[None, :])
-        synthesis_hi = tl.load(key_synthesis_ptr + matrix + HALF + halves[None, :])
+        synthesis_lo = tl.load(key_synthesis_ptr + key_matrix + halves[None, :], mask=key_transform_mask[:, None],
+                               other=0.0)
+        synthesis_hi = tl.load(key_synthesis_ptr + key_matrix + HALF + halves[None, :], mask=key_transform_mask[:, None],
+                               other=0.0)
         mean_lo = tl.load(key_mean_ptr + head * D + halves)
         mean_hi = tl.load(key_mean_ptr + head * D + HALF + halves)
         inv_freq = tl.load(inv_freq_ptr + halves)
@@ -75,14 +84,15 @@ def _coded_attention_kernel(
         # Keys coded after RoPE: q . (mean + z @ synthesis) = q . mean + (q @ synthesis^T) . z, so the synthesis
         # matrix is applied to the query once instead of to every key.
         q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
-        key_synthesis = tl.load(key_synthesis_ptr + matrix + dims[None, :])
+        key_synthesis = tl.load(key_synthesis_ptr + key_matrix + dims[None, :], mask=key_transform_mask[:, None],
+                                other=0.0)
         q_transformed = tl.dot(q, tl.trans(key_synthesis), input_precision="ieee")
         q_mean = tl.sum(q * tl.load(key_mean_ptr + head * D + dims)[None, :], axis=1)
 
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     scaled_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of p * value scale: weight of the value mean
-    accumulator = tl.zeros((BLOCK_M, D), dtype=tl.float32)  # values accumulate in the transform domain
+    accumulator = tl.zeros((BLOCK_M, VALUE_DT_BLOCK), dtype=tl.float32)  # values accumulate in the transform domain
 
     start = split * tokens_per_split
     stop = tl.minimum(start + tokens_per_split, N)
@@ -90,8 +100,12 @@ def _coded_attention_kernel(
         tokens = block_start + tl.arange(0, BLOCK_N)
         token_mask = tokens < stop
         token_offsets = batch_head * N + tokens
+        # joint-head codes have one row per token for all heads
+        key_offsets = (batch * KEY_CODE_HEADS + head % KEY_CODE_HEADS) * N + tokens
+        value_offsets = (batch * VALUE_CODE_HEADS + head % VALUE_CODE_HEADS) * N + tokens
 
-        z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, token_offsets, token_mask, SK, K, GD, D, BLOCK_N)
+        z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, key_offsets, token_mask, SK, K, GD,
+                            KEY_DT_BLOCK, BLOCK_N)
         key_scale = tl.load(key_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
         if ROPE:
             keys_lo = mean_lo[None, :] + tl.dot(z, synthesis_lo, input_precision="ieee")
@@ -119,7 +133,8 @@ def _coded_attention_kernel(
         probabilities = tl.exp(scores - safe_max[:, None])
         running_sum = running_sum * correction + tl.sum(probabilities, axis=1)
 
-        zv = _transform_tile(value_codes_ptr, value_codebooks_ptr, value_groups_ptr, token_offsets, token_mask, SV, K, GD, D, BLOCK_N)
+        zv = _transform_tile(value_codes_ptr, value_codebooks_ptr, value_groups_ptr, value_offsets, token_mask, SV, K,
+                             GD, VALUE_DT_BLOCK, BLOCK_N)
         value_scale = tl.load(value_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
         weighted = probabilities * value_scale[None, :]
         scaled_sum = scaled_sum * correction + tl.sum(weighted, axis=1)
@@ -127,7 +142,8 @@ def _coded_attention_kernel(
         running_max = new_max
 
     # sum_n p_n s_n (mean + z_n @ synthesis) = (sum p s) mean + (sum p s z) @ synthesis: one matmul per program
-    value_synthesis = tl.load(value_synthesis_ptr + matrix + dims[None, :])
+    value_synthesis = tl.load(value_synthesis_ptr + value_matrix + dims[None, :], mask=value_transform_mask[:, None],
+                              other=0.0)
     value_mean = tl.load(value_mean_ptr + head * D + dims)
     out = scaled_sum[:, None] * value_mean[None, :] + tl.dot(accumulator, value_synthesis, input_precision="ieee")
     visible = running_sum > 0
@@ -147,7 +163,7 @@ def coded_attention_triton(
 ):
     """Same contract as ``coded_attention_reference``; launches ``_coded_attention_kernel`` then merges the splits."""
     batch, query_heads, query_length, dim = query.shape
-    kv_heads, tokens = key_codes.shape[1], key_codes.shape[2]
+    kv_heads, tokens = key_scales.shape[1], key_codes.shape[2]
     rows = (query_heads // kv_heads) * query_length
     device = query.device
     if tokens == 0:
@@ -177,9 +193,11 @@ def coded_attention_triton(
         value_mean.float().contiguous(), value_synthesis.float().contiguous(), value_codebooks.float().contiguous(),
         value_stage_groups.to(torch.int32).contiguous(),
         positions, inv_freq, mask_tensor, out, lse,
-        tokens, rows, query_length, key_codes.shape[-1], value_codes.shape[-1], kv_heads, tokens_per_split, num_splits,
-        float(scaling), float(attention_scaling),
-        K=key_codebooks.shape[1], GD=key_codebooks.shape[2], D=dim, HALF=dim // 2,
+        tokens, rows, query_length, key_codes.shape[-1], value_codes.shape[-1], kv_heads, key_codes.shape[1],
+        value_codes.shape[1], key_synthesis.shape[1], value_synthesis.shape[1], tokens_per_split, num_splits,
+        float(scaling), float(attention_scaling), K=key_codebooks.shape[1], GD=key_codebooks.shape[2], D=dim,
+        KEY_DT_BLOCK=triton.next_power_of_2(key_synthesis.shape[1]),
+        VALUE_DT_BLOCK=triton.next_power_of_2(value_synthesis.shape[1]), HALF=dim // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None,
     )
     out = out.reshape(batch, kv_heads, num_splits, rows, dim)

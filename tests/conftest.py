@@ -38,10 +38,28 @@ def tiny_token_stream():
 
 @pytest.fixture(scope="session")
 def tiny_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("tiny_codebooks")
+    """Codebooks with the default layouts (keys per head, values one code per token for both KV heads)."""
+    return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_codebooks"))
+
+
+@pytest.fixture(scope="session")
+def tiny_per_head_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
+    """Keys and values both coded per head vector."""
+    return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_per_head_codebooks"),
+                           key_layout="per_head", value_layout="per_head")
+
+
+@pytest.fixture(scope="session")
+def tiny_joint_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
+    """Keys and values both coded with one code per token for both KV heads."""
+    return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_joint_codebooks"),
+                           key_layout="joint_heads", value_layout="joint_heads")
+
+
+def _tiny_codebooks(model, token_stream, directory, **settings):
     fit_gsrq_codebooks(
-        tiny_model, tiny_token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},
+        model, token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},
         bits=TINY_BITS, window_tokens=128, sampled_tokens_per_window=64, num_windows=8, holdout_windows=1,
-        n_iter=4, fit_rows=1024, out=directory, progress=False,
+        n_iter=4, fit_rows=1024, out=directory, progress=False, **settings,
     )
     return directory

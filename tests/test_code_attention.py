@@ -18,6 +18,14 @@ def model():
     return LlamaForCausalLM(tiny_llama_config()).eval()
 
 
+@pytest.fixture(params=["default", "per_head", "joint_heads"])
+def codebooks_dir(request, tiny_codebooks_dir, tiny_per_head_codebooks_dir, tiny_joint_codebooks_dir):
+    """Codebooks of every layout: the default (keys per head, values joint), both per head vector, both one code
+    per token for all heads."""
+    return {"default": tiny_codebooks_dir, "per_head": tiny_per_head_codebooks_dir,
+            "joint_heads": tiny_joint_codebooks_dir}[request.param]
+
+
 def _prompt(batch=2, length=60, seed=1):
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -31,7 +39,7 @@ def _generate(model, ids, codebooks, attention, **kwargs):
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampling", "beam", "prompt_lookup", "padded_batch"])
-def test_code_reading_generation_equals_dequantize_path(model, tiny_codebooks_dir, mode):
+def test_code_reading_generation_equals_dequantize_path(model, codebooks_dir, mode):
     ids = _prompt()
     kwargs = {}
     if mode == "sampling":
@@ -46,19 +54,19 @@ def test_code_reading_generation_equals_dequantize_path(model, tiny_codebooks_di
         kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].expand(2, -1).clone())
         kwargs["attention_mask"][0] = 1
     torch.manual_seed(5)
-    expected, dequantize_cache = _generate(model, ids, tiny_codebooks_dir, "dequantize", **kwargs)
+    expected, dequantize_cache = _generate(model, ids, codebooks_dir, "dequantize", **kwargs)
     torch.manual_seed(5)
-    got, code_cache = _generate(model, ids, tiny_codebooks_dir, "auto", **kwargs)
+    got, code_cache = _generate(model, ids, codebooks_dir, "auto", **kwargs)
     assert dequantize_cache.attention_path == "dequantize"
     assert code_cache.attention_path == "codes" and model.config._attn_implementation == "gsrq_sdpa"
     assert code_cache.layers[0].region_lengths()["codes"] > 0  # the codes were really read
     assert torch.equal(got, expected)
 
 
-def test_decode_logits_match_and_no_extra_tensors_are_held(model, tiny_codebooks_dir):
+def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir):
     enable_code_attention(model)
     ids = _prompt(batch=1, length=80)
-    caches = {path: GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention=path, **CODED)
+    caches = {path: GSRQCache(model.config, codebooks=codebooks_dir, attention=path, **CODED)
               for path in ("dequantize", "codes")}
     logits = {}
     with torch.inference_mode():

@@ -109,11 +109,11 @@ def test_inconsistent_tensors(tiny_codebooks_dir, tmp_path):
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     tensors = load_file(str(target / TENSORS_FILE))
-    tensors["layers.1.values.codebooks"] = tensors["layers.1.values.codebooks"][:, :100].contiguous()
+    tensors["layers.1.values.shape.codebooks"] = tensors["layers.1.values.shape.codebooks"][:, :100].contiguous()
     save_file(tensors, str(target / TENSORS_FILE))
     with pytest.raises(CodebookFileError, match="inconsistent codebooks"):
         GSRQCodebooks.load(target)
-    del tensors["layers.1.values.codebooks"]
+    del tensors["layers.1.values.shape.codebooks"]
     save_file(tensors, str(target / TENSORS_FILE))
     with pytest.raises(CodebookFileError, match="lacks tensor"):
         GSRQCodebooks.load(target)
@@ -155,3 +155,30 @@ def test_version_1_files_with_fp16_scales_still_load_and_run(tiny_model, tiny_to
     cache = GSRQCache(tiny_model.config, codebooks=codebooks, window_length=1, flush_interval=1, num_sink_tokens=0)
     tiny_model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
     assert cache.layers[0].key_scales.dtype == torch.float16 and cache.layers[0].key_codes.shape[-2] > 0
+
+
+def test_joint_layout_round_trips_and_its_files_are_checked(tiny_joint_codebooks_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    codebooks = GSRQCodebooks.load(tiny_joint_codebooks_dir)
+    assert codebooks.layout("keys") == codebooks.layout("values") == "joint_heads"
+    assert codebooks.key_codecs[0].code_heads == 1
+    # one code for both 16-dim heads: (3 * 32 - 2 * 8) / 8 = 10 stages at 3 bits, (2 * 32 - 16) / 8 = 6 at 2
+    assert codebooks.stages_for_bits(3.0, "keys") == 10 and codebooks.stages_for_bits(2.0, "values") == 6
+    x = torch.randn(2, 10, 16)
+    again = GSRQCodebooks.load(tiny_joint_codebooks_dir)
+    torch.testing.assert_close(codebooks.value_codecs[1].reconstruct(x), again.value_codecs[1].reconstruct(x))
+
+    target = _copy(tiny_joint_codebooks_dir, tmp_path)
+    metadata = json.loads((target / METADATA_FILE).read_text())
+    metadata["config"]["value_layout"] = "per_token"
+    (target / METADATA_FILE).write_text(json.dumps(metadata))
+    with pytest.raises(CodebookFileError, match="value_layout must be one of"):
+        GSRQCodebooks.load(target)
+    metadata["config"]["value_layout"] = "joint_heads"
+    (target / METADATA_FILE).write_text(json.dumps(metadata))
+    tensors = load_file(str(target / TENSORS_FILE))
+    tensors["layers.0.keys.log_scale_range"] = tensors["layers.0.keys.log_scale_range"][:1].contiguous()
+    save_file(tensors, str(target / TENSORS_FILE))
+    with pytest.raises(CodebookFileError, match="log_scale_range .* is not \\[2, 2\\]"):
+        GSRQCodebooks.load(target)

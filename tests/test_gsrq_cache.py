@@ -115,7 +115,7 @@ def test_pipeline_text_generation_uses_gsrq(tiny_model, tiny_codebooks_dir, monk
     assert coded[0]["generated_text"] == plain[0]["generated_text"]
 
 
-def test_coded_cache_stores_codes_once_and_holds_no_float_copy(tiny_model, tiny_codebooks_dir, monkeypatch):
+def test_coded_cache_stores_codes_once_and_holds_no_float_copy(tiny_model, tiny_per_head_codebooks_dir, monkeypatch):
     encoded_tokens = []
     original_encode = TransformResidualVQ.encode
 
@@ -129,7 +129,8 @@ def test_coded_cache_stores_codes_once_and_holds_no_float_copy(tiny_model, tiny_
     monkeypatch.setattr(TransformResidualVQ, "encode", counting_encode)
     ids = _prompt(1, 30)
     out = _greedy(tiny_model, ids, cache_implementation="gsrq",
-                  cache_config={"codebooks": str(tiny_codebooks_dir), "beam_width": 3, "gain": "least_squares", **CODED},
+                  cache_config={"codebooks": str(tiny_per_head_codebooks_dir), "beam_width": 3, "gain": "least_squares",
+                                **CODED},
                   return_dict_in_generate=True)
     assert encoder_options == {(("beam_width", 3), ("gain", "least_squares"))}  # cache_config reaches the encoder
     cache = out.cache
@@ -234,3 +235,32 @@ def test_memory_held_after_prefill_is_codes_plus_exact_tokens(tiny_model, tiny_c
     per_layer = 2 * 2 * (lengths["codes"] * (stages + scale_bytes) + (lengths["sinks"] + lengths["window"]) * 16 * 4)
     expected = 2 * per_layer + 200 * 4  # two layers, plus one int32 position per token in the shared ledger
     assert cache_bytes(cache, excluding=shared) == expected
+
+
+def test_joint_head_cache_holds_one_code_row_per_token_at_the_nominal_rate(tiny_model, tiny_joint_codebooks_dir):
+    from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
+
+    ids = _prompt(1, 200, seed=8)
+    with torch.inference_mode():
+        cache = GSRQCache(tiny_model.config, codebooks=tiny_joint_codebooks_dir, **CODED)
+        tiny_model(ids, cache=cache)
+    layer = cache.layers[0]
+    assert cache.bits_per_element() == {"keys": 2.0, "values": 2.0}  # the default rate: 6 stages + 2 scales
+    assert layer.key_codes.shape[1] == 1 and layer.key_scales.shape[1] == 2  # codes shared, scales per head
+    shared = shared_storages(cache, GSRQCache(tiny_model.config, codebooks=tiny_joint_codebooks_dir, **CODED))
+    lengths = layer.region_lengths()
+    stages = layer.key_codec.num_stages
+    per_layer = 2 * (lengths["codes"] * (stages + 2) + 2 * (lengths["sinks"] + lengths["window"]) * 16 * 4)
+    assert cache_bytes(cache, excluding=shared) == 2 * per_layer + 200 * 4
+    with torch.inference_mode():
+        reference = tiny_model(ids).logits[0, -8:].log_softmax(-1)
+
+        def divergence(bits):
+            cache = GSRQCache(tiny_model.config, codebooks=tiny_joint_codebooks_dir, bits=bits, **CODED)
+            tiny_model(ids[:, :-8], cache=cache)
+            coded = torch.stack([tiny_model(ids[:, i:i + 1], cache=cache).logits[0, -1].log_softmax(-1)
+                                 for i in range(192, 200)])
+            return float((reference.exp() * (reference - coded)).sum(-1).mean())
+
+        low, high = divergence(1.5), divergence(3.0)
+    assert 0 <= high < low and high < 0.05

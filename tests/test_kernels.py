@@ -17,23 +17,32 @@ from hf_kvcodecs.kernels.triton_attention import coded_attention_triton  # noqa:
 from hf_kvcodecs.kernels.triton_encode import residual_encode_beam_triton, residual_encode_triton  # noqa: E402
 
 
-def random_codec(kv_heads, dim, stages, size, group_dim, generator):
+def random_codec(kv_heads, dim, stages, size, group_dim, generator, joint=False):
+    """Per-head operands, or with ``joint`` a joint-head codec's: synthesis ``[H, H*D, D]`` (head slices of one
+    orthogonal matrix), groups over the ``H*D`` transform components."""
     mean = 0.3 * torch.randn(kv_heads, dim, generator=generator)
-    synthesis = torch.linalg.qr(torch.randn(kv_heads, dim, dim, generator=generator))[0]
+    if joint:
+        full = torch.linalg.qr(torch.randn(kv_heads * dim, kv_heads * dim, generator=generator))[0]
+        synthesis = full.reshape(kv_heads * dim, kv_heads, dim).permute(1, 0, 2).contiguous()
+    else:
+        synthesis = torch.linalg.qr(torch.randn(kv_heads, dim, dim, generator=generator))[0]
     codebooks = 0.5 * torch.randn(stages, size, group_dim, generator=generator)
-    groups = torch.randint(0, dim // group_dim, (stages,), generator=generator)
+    groups = torch.randint(0, synthesis.shape[1] // group_dim, (stages,), generator=generator)
     return mean, synthesis, codebooks, groups
 
 
 def make_problem(batch=2, kv_heads=2, group_count=3, query_length=1, tokens=70, dim=64, stages=5, size=16,
-                 group_dim=8, rope=True, padded=True, seed=0):
+                 group_dim=8, rope=True, padded=True, seed=0, joint=False):
+    """``joint``: False (per-head codes), True (joint-head keys and values) or "values" (the default layout)."""
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, kv_heads * group_count, query_length, dim, generator=generator)
-    key_codec = random_codec(kv_heads, dim, stages, size, group_dim, generator)
-    value_codec = random_codec(kv_heads, dim, stages + 1, size, group_dim, generator)
+    key_joint, value_joint = joint is True, joint in (True, "values")
+    key_codec = random_codec(kv_heads, dim, stages, size, group_dim, generator, key_joint)
+    value_codec = random_codec(kv_heads, dim, stages + 1, size, group_dim, generator, value_joint)
 
-    def codes(count):
-        return torch.randint(0, size, (batch, kv_heads, tokens, count), generator=generator).to(torch.uint8)
+    def codes(count, shared):  # joint-head codes: one row per token, shared by the heads
+        rows = 1 if shared else kv_heads
+        return torch.randint(0, size, (batch, rows, tokens, count), generator=generator).to(torch.uint8)
 
     def scales():
         return (0.5 + torch.rand(batch, kv_heads, tokens, generator=generator)).half()
@@ -46,7 +55,8 @@ def make_problem(batch=2, kv_heads=2, group_count=3, query_length=1, tokens=70, 
     if padded:  # the first row is left-padded: its first 7 coded tokens are hidden
         mask = torch.zeros(batch, query_length, tokens)
         mask[0, :, :7] = -math.inf
-    return dict(query=query, key_codes=codes(stages), key_scales=scales(), value_codes=codes(stages + 1),
+    return dict(query=query, key_codes=codes(stages, key_joint), key_scales=scales(),
+                value_codes=codes(stages + 1, value_joint),
                 value_scales=scales(), key_codec=key_codec, value_codec=value_codec, positions=positions,
                 inv_freq=inv_freq, attention_scaling=1.0, mask=mask, scaling=dim**-0.5)
 
@@ -152,6 +162,9 @@ SHAPES = [
     dict(dim=128, group_count=4, tokens=37),
     dict(dim=64, group_count=1, tokens=33, batch=1, padded=False),
     dict(dim=64, group_count=2, tokens=50, query_length=3),  # several queries per head (speculative decoding)
+    dict(dim=64, kv_heads=3, group_count=3, tokens=70, stages=12, joint=True),  # joint-head codes (SmolLM2-like)
+    dict(dim=32, kv_heads=3, group_count=2, tokens=41, stages=9, joint=True),  # 96 transform components: padded
+    dict(dim=64, kv_heads=3, group_count=3, tokens=70, stages=12, joint="values"),  # keys per head, values joint
 ]
 
 

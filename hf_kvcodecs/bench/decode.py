@@ -40,6 +40,9 @@ from .harness import _decode_step, _environment, _perplexity_metrics, _prefill, 
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
+# Codec layouts measured next to the default (keys per head, values joint): the previous default and both joint.
+LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
+                   (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}))
 GSRQ_BITS = 2.0
 REFERENCE = "fp32 DynamicCache"
 
@@ -65,15 +68,17 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
         if baseline.skip_reason is None and "per-channel" in baseline.name:
             methods.append(DecodeMethod(baseline.name, "transformers QuantizedCache", baseline.make_cache,
                                         extra=baseline.extra, prefill_multiple=baseline.prefill_multiple))
-    key_spaces = ("pre_rope", "post_rope") if include_post_rope else ("pre_rope",)
-    for key_space in key_spaces:
-        settings = {"learner": DEFAULT_LEARNER, "bits": bits}
-        if key_space != "pre_rope":  # the default key space is left out of the store key so bench kv's calibration is reused
-            settings["key_space"] = key_space
-        codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress, **settings)
-        paths = ("dequantize", "codes") if key_space == "pre_rope" else ("codes",)
+    # (key space, codec layouts, description): the default, then what the layouts trade between quality and speed
+    calibrations = [("pre_rope", {}, "")]
+    calibrations += [("pre_rope", layout, description) for description, layout in LAYOUT_VARIANTS]
+    if include_post_rope:
+        calibrations.append(("post_rope", {}, ""))
+    for key_space, layout, layout_description in calibrations:
+        codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress,
+                                                   learner=DEFAULT_LEARNER, bits=bits, key_space=key_space, **layout)
+        paths = ("dequantize", "codes") if key_space == "pre_rope" and not layout else ("codes",)
         variants = [(path, DEFAULT_BEAM_WIDTH) for path in paths]
-        if key_space == "pre_rope":  # what the encoder's beam search costs at prefill and buys in quality
+        if key_space == "pre_rope" and not layout:  # what the encoder's beam search costs at prefill and buys in quality
             variants.append(("codes", 1))
         for path, beam_width in variants:
             how = {"dequantize": "dequantize + SDPA",
@@ -81,11 +86,12 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
             if beam_width != DEFAULT_BEAM_WIDTH:
                 how += ", greedy encoder" if beam_width == 1 else f", {beam_width}-beam encoder"
             methods.append(DecodeMethod(
-                f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}", "gsrq",
+                f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}{layout_description}", "gsrq",
                 lambda m, c=codebooks, p=path, w=beam_width: GSRQCache(m.config, codebooks=c, bits=bits, attention=p,
                                                                        beam_width=w),
                 expected_path=path,
                 extra={"codebooks": str(directory), "key_space": key_space, "attention": path, "beam_width": beam_width,
+                       "key_layout": codebooks.layout("keys"), "value_layout": codebooks.layout("values"),
                        "holdout_relative_mse": codebooks.calibration["holdout_mean"]},
             ))
     return methods

@@ -27,10 +27,11 @@ QUICK_CALIBRATION = dict(num_windows=4, holdout_windows=1, n_iter=4, fit_rows=20
 
 def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), seeds=(0,), text=None,
                  store=None, window_length: int = 32, flush_interval: int = 32, num_sink_tokens: int = 4,
-                 calibration: dict | None = None, progress: bool = True) -> list[CacheMethod]:
+                 calibration: dict | None = None, layout_variants: tuple = (), progress: bool = True) -> list[CacheMethod]:
     """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
-    luck of one k-means run.
+    luck of one k-means run. ``layout_variants`` (``(description, settings)`` pairs) add l2 codebooks of the first
+    seed with other codec layouts, measured in the same run.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
@@ -39,26 +40,27 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
         raise ValueError("seeds must name at least one calibration seed.")
     attention_path = "codes" if enable_code_attention(loaded.model) else "dequantize"
     methods = []
-    for learner, seed in ((learner, seed) for learner in learners for seed in seeds):
-        # Seed 0 is calibrate's default; passing it explicitly would change the store key of a single-seed run.
-        seed_setting = {"seed": seed} if seed else {}
+    runs = [(learner, seed, "", {}) for learner in learners for seed in seeds]
+    runs += [("l2", seeds[0], description, settings) for description, settings in layout_variants]
+    for learner, seed, variant, layout in runs:
         codebooks, directory, reused = ensure_codebooks(
-            loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates),
-            **seed_setting, **(calibration or {}),
+            loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates), seed=seed,
+            **layout, **(calibration or {}),
         )
         for bits in rates:
             cache_settings = dict(codebooks=codebooks, bits=bits, window_length=window_length,
                                   flush_interval=flush_interval, num_sink_tokens=num_sink_tokens)
             seed_label = f", seed {seed}" if len(seeds) > 1 else ""
             label = (f"GSRQ ({learner} codebooks{seed_label})" if learner.startswith("gskm")
-                     else f"same codec, l2 k-means codebooks{seed_label}")
+                     else f"same codec, l2 k-means codebooks{seed_label}{variant}")
             methods.append(CacheMethod(
                 name=f"{label} {bits:g}-bit",
                 make_cache=lambda model, s=cache_settings: GSRQCache(model.config, **s),
-                family=GSRQ_LEARNERS.get(learner, learner),
+                family=GSRQ_LEARNERS.get(learner, learner) + (" " + layout_family(layout) if layout else ""),
                 nominal_bits=bits,
                 extra={
-                    "learner": learner, "seed": seed, "bits": bits, "window_length": window_length, "flush_interval": flush_interval,
+                    "learner": learner, "seed": seed, "bits": bits, "key_layout": codebooks.layout("keys"),
+                    "value_layout": codebooks.layout("values"), "window_length": window_length, "flush_interval": flush_interval,
                     "num_sink_tokens": num_sink_tokens, "codebooks": str(directory), "attention": attention_path,
                     "calibration_seconds": round(codebooks.calibration["seconds_total"], 1),
                     "calibration_reused": reused, "calibration_text": codebooks.calibration["text"]["description"],
@@ -68,13 +70,22 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
     return methods
 
 
+def layout_family(layout: dict) -> str:
+    """A short family label for codebooks calibrated with non-default layouts."""
+    return "(" + ", ".join(f"{name.split('_')[0]}s {value.replace('_', '-')}" for name, value in sorted(layout.items())) + ")"
+
+
+# The previous default (keys and values coded per head vector) next to the default, on the same seed.
+LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),)
+
+
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
                      seeds=(0,), store=None, progress: bool = True) -> dict:
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model) + gsrq_methods(
         loaded, seeds=tuple(seeds), text=calibration_text, store=store, progress=progress,
-        calibration=QUICK_CALIBRATION if quick else None,
+        calibration=QUICK_CALIBRATION if quick else None, layout_variants=() if quick else LAYOUT_VARIANTS,
     )
     results = evaluate_methods(
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,

@@ -145,8 +145,10 @@ class GSRQLayer(CacheLayerMixin):
         empty = lambda d, dt: torch.zeros(batch, heads, 0, *d, dtype=dt, device=self.device)  # noqa: E731
         self.sink_keys, self.sink_values = empty((dim,), self.dtype), empty((dim,), self.dtype)
         self.window_keys, self.window_values = empty((dim,), self.dtype), empty((dim,), self.dtype)
-        self.key_codes = empty((self.key_codec.num_stages,), torch.uint8)
-        self.value_codes = empty((self.value_codec.num_stages,), torch.uint8)
+        # codes: [B, code_heads, T, S]; code_heads is 1 for joint-head codecs (one code per token for all heads)
+        code_rows = lambda codec: torch.zeros(batch, codec.code_heads, 0, codec.num_stages, dtype=torch.uint8,  # noqa: E731
+                                              device=self.device)
+        self.key_codes, self.value_codes = code_rows(self.key_codec), code_rows(self.value_codec)
         self.key_scales = empty((), self.key_codec.scale_dtype)
         self.value_scales = empty((), self.value_codec.scale_dtype)
         self.is_initialized = True
@@ -235,14 +237,15 @@ class GSRQLayer(CacheLayerMixin):
         batch, heads, tokens, dim = states.shape
         flat = states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
         codes, scales = codec.encode(flat, gain=self.gain, beam_width=self.beam_width)
-        codes = codes.reshape(heads, batch, tokens, -1).permute(1, 0, 2, 3).contiguous()
+        codes = codes.reshape(codes.shape[0], batch, tokens, -1).permute(1, 0, 2, 3).contiguous()
         scales = scales.reshape(heads, batch, tokens).permute(1, 0, 2).contiguous()
         return codes, scales
 
     @staticmethod
     def _decode(codec: TransformResidualVQ, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        batch, heads, tokens, stages = codes.shape
-        flat_codes = codes.permute(1, 0, 2, 3).reshape(heads, batch * tokens, stages)
+        batch, code_heads, tokens, stages = codes.shape
+        heads = scales.shape[1]
+        flat_codes = codes.permute(1, 0, 2, 3).reshape(code_heads, batch * tokens, stages)
         flat_scales = scales.permute(1, 0, 2).reshape(heads, batch * tokens)
         decoded = codec.decode(flat_codes, flat_scales)
         return decoded.reshape(heads, batch, tokens, codec.head_dim).permute(1, 0, 2, 3)
@@ -399,8 +402,8 @@ class GSRQCache(Cache):
         self.bits = DEFAULT_BITS if bits is None else float(bits)
         self.key_bits = self.bits if key_bits is None else float(key_bits)
         self.value_bits = self.bits if value_bits is None else float(value_bits)
-        key_stages = self.codebooks.stages_for_bits(self.key_bits)
-        value_stages = self.codebooks.stages_for_bits(self.value_bits)
+        key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
+        value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
         layer_settings = dict(

@@ -10,11 +10,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
-from ..codecs.gsrq_codebooks import GSRQCodebooks
+from ..codecs.gsrq_codebooks import GSRQCodebooks, stages_for_layout
+from ..codecs.joint import CODEC_LAYOUTS, DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
-    relative_mse, stages_for_rate,
+    joint_rate_distortion_reference, relative_mse,
 )
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
@@ -48,6 +49,8 @@ def fit_gsrq_codebooks(
     transform: str = "pca",
     metric: str = "none",
     key_space: str = "pre_rope",
+    key_layout: str = DEFAULT_KEY_LAYOUT,
+    value_layout: str = DEFAULT_VALUE_LAYOUT,
     group_dim: int = 8,
     codebook_bits: int = 8,
     scale_bits: int = LOG_SCALE_BITS,
@@ -70,10 +73,21 @@ def fit_gsrq_codebooks(
     """
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
+    for name, layout in (("key_layout", key_layout), ("value_layout", value_layout)):
+        if layout not in CODEC_LAYOUTS:
+            raise ValueError(f"{name} must be one of {CODEC_LAYOUTS}, got {layout!r}.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
-    max_stages = max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits))
+    kv_heads = fingerprint["num_key_value_heads"]
+
+    def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
+        heads = kv_heads if layout == "joint_heads" else 1
+        return max(1, stages_for_layout(bits, heads * head_dim, heads, codebook_bits, scale_bits))
+
+    def fitter(layout):
+        return fit_joint_head_residual_vq if layout == "joint_heads" else fit_transform_residual_vq
+
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
     if token_ids.numel() < needed:
@@ -83,6 +97,10 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
+    if metric == "attention" and "joint_heads" in (key_layout, value_layout):
+        raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
+                         "key_layout='per_head', value_layout='per_head' (CLI: --key-layout per_head --value-layout "
+                         "per_head).")
     samples = collect_kv_samples(
         model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
         sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows, rope=rope, seed=seed,
@@ -94,23 +112,22 @@ def fit_gsrq_codebooks(
         progress=progress, description="held-out activations",
     )
     collected = time.perf_counter()
-    fit_settings = dict(max_stages=max_stages, group_dim=group_dim, codebook_bits=codebook_bits, learner=learner,
+    fit_settings = dict(group_dim=group_dim, codebook_bits=codebook_bits, learner=learner,
                         weighted=weighted, transform=transform, scale_bits=scale_bits, n_iter=n_iter, fit_rows=fit_rows)
     key_codecs, value_codecs, per_layer = [], [], []
     train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
     test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
     projections = attention_projections(model) if metric == "attention" else {}
-    kv_heads = fingerprint["num_key_value_heads"]
     for layer in tqdm(range(len(train_keys)), desc=f"fitting {learner} codebooks", disable=not progress):
         key_weights = value_weights = None
         if metric == "attention":
             if key_space == "pre_rope":  # the pair-averaged query metric only holds for keys coded before RoPE
                 key_weights = key_metric(samples.query_mean_squared[layer], kv_heads)
             value_weights = value_metric(projections[layer]["o_proj"].weight, kv_heads, head_dim)
-        key_codec = fit_transform_residual_vq(train_keys[layer], metric=key_weights, seed=seed + 2 * layer, **fit_settings)
-        value_codec = fit_transform_residual_vq(
-            samples.values[layer], metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings
-        )
+        key_codec = fitter(key_layout)(train_keys[layer], max_stages=stages_for(key_layout), metric=key_weights,
+                                       seed=seed + 2 * layer, **fit_settings)
+        value_codec = fitter(value_layout)(samples.values[layer], max_stages=stages_for(value_layout),
+                                           metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
         key_codecs.append(key_codec)
         value_codecs.append(value_codec)
         per_layer.append({
@@ -118,12 +135,16 @@ def fit_gsrq_codebooks(
             "values_relative_mse": relative_mse(holdout.values[layer], value_codec.reconstruct(holdout.values[layer])),
             "keys_gaussian_rd_reference": gaussian_rate_distortion_reference(test_keys[layer], key_codec.code_bits_per_vector()),
             "values_gaussian_rd_reference": gaussian_rate_distortion_reference(holdout.values[layer], value_codec.code_bits_per_vector()),
+            # the same reference for one code over all heads (the joint layout's; lower where heads correlate)
+            "keys_gaussian_rd_reference_joint": joint_rate_distortion_reference(test_keys[layer], key_codec.code_bits_per_vector()),
+            "values_gaussian_rd_reference_joint": joint_rate_distortion_reference(holdout.values[layer], value_codec.code_bits_per_vector()),
         })
     finished = time.perf_counter()
     mean = lambda key: sum(p[key] for p in per_layer) / len(per_layer)  # noqa: E731
     config = {
         "learner": learner, "weighted": weighted, "transform": transform, "metric": metric, "key_space": key_space,
-        "group_dim": group_dim, "codebook_bits": codebook_bits, "scale_bits": scale_bits, "max_stages": max_stages,
+        "key_layout": key_layout, "value_layout": value_layout, "group_dim": group_dim, "codebook_bits": codebook_bits,
+        "scale_bits": scale_bits, "max_stages": {"keys": stages_for(key_layout), "values": stages_for(value_layout)},
         "max_bits": bits,
         "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
     }
@@ -133,7 +154,7 @@ def fit_gsrq_codebooks(
         "sampled_tokens_per_layer": int(train_keys[0].shape[1]), "holdout_windows": holdout.windows,
         "seconds_collecting": collected - started, "seconds_fitting": finished - collected,
         "seconds_total": finished - started,
-        "bits_per_element_at_max": (max_stages * codebook_bits + scale_bits) / head_dim,
+        "bits_per_element_at_max": {"keys": key_codecs[0].bits_per_element(), "values": value_codecs[0].bits_per_element()},
         "holdout_encoder": {"revision": ENCODER_REVISION, "gain": DEFAULT_GAIN, "beam_width": DEFAULT_BEAM_WIDTH},
         "holdout_mean": {k: mean(k) for k in per_layer[0]},
         "holdout_per_layer": per_layer,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodeb
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
-from .gsrq import calibrate_gsrq
+from .gsrq import calibrate_gsrq, fit_gsrq_codebooks
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +29,12 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     Returns ``(codebooks, directory, reused)``.
     """
     # The format and encoder versions are part of the key: codebooks stored by an older codec are refitted, not
-    # silently reused, and their held-out statistics are measured with the encoder that will use them.
+    # silently reused, and their held-out statistics are measured with the encoder that will use them. So are the
+    # defaults of every setting not given: a changed default (e.g. a layout) must not reuse codebooks fitted under the
+    # old one, and a setting passed at its default value names the same codebooks as leaving it out.
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
-                "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION, **settings}
+                "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION,
+                **_calibration_defaults(), **settings}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"
@@ -41,3 +45,10 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
             logger.warning("Re-calibrating: stored codebooks in %s are unusable (%s).", directory, error)
     codebooks = calibrate_gsrq(loaded.model, loaded.tokenizer, text=text, out=directory, progress=progress, **settings)
     return codebooks, directory, False
+
+
+def _calibration_defaults() -> dict:
+    """The default value of every fit setting (what a calibration uses for a setting it is not given)."""
+    return {name: parameter.default for name, parameter in inspect.signature(fit_gsrq_codebooks).parameters.items()
+            if parameter.kind == parameter.KEYWORD_ONLY and parameter.default is not parameter.empty
+            and name not in ("out", "progress", "started")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,11 +11,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .residual import FP16_SCALE_BITS, TransformResidualVQ, stages_for_rate
+from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
+from .residual import FP16_SCALE_BITS, TransformResidualVQ
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
-FORMAT_VERSION = 2  # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range")
-READABLE_VERSIONS = (1, 2)  # version 1 files have fp16 scales
+# 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
+# "value_layout", each "per_head" or "joint_heads" (tensors "*.shape.*" plus the per-head "*.log_scale_range")
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1 files have fp16 scales; 1 and 2 are per-head
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -64,14 +68,23 @@ class GSRQCodebooks:
     def max_bits_per_element(self) -> float:
         return min(c.bits_per_element() for c in self.key_codecs + self.value_codecs)
 
-    def stages_for_bits(self, bits: float) -> int:
-        """Number of stages whose indices plus the per-vector scale fit in ``bits`` per element."""
+    def layout(self, kind: str) -> str:
+        """How ``kind`` ("keys"/"values") is coded: ``"per_head"`` (one code per head vector) or ``"joint_heads"``
+        (one code per token for all its heads)."""
+        return layout_of(self.config, kind)
+
+    def stages_for_bits(self, bits: float, kind: str = "keys") -> int:
+        """Number of ``kind`` stages whose indices plus the per-vector scales fit in ``bits`` per element."""
         codebook_bits = int(self.config["codebook_bits"])
-        lowest = (self.scale_bits + codebook_bits) / self.head_dim
+        codecs = self.key_codecs if kind == "keys" else self.value_codecs
+        # a code covers one head vector, or all of a token's heads (each with its own scale)
+        heads = codecs[0].num_heads if self.layout(kind) == "joint_heads" else 1
+        elements = heads * self.head_dim
+        lowest = (heads * self.scale_bits + codebook_bits) / elements
         if bits < lowest - 1e-9:
-            raise ValueError(f"bits={bits} is below the lowest rate these codebooks offer ({lowest:.3f} bits/element).")
-        stages = stages_for_rate(bits, self.head_dim, codebook_bits, self.scale_bits)
-        available = min(c.num_stages for c in self.key_codecs + self.value_codecs)
+            raise ValueError(f"bits={bits} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} bits/element).")
+        stages = stages_for_layout(bits, elements, heads, codebook_bits, self.scale_bits)
+        available = min(c.num_stages for c in codecs)
         if stages > available:
             raise ValueError(
                 f"bits={bits} needs {stages} residual stages but these codebooks were calibrated with {available} "
@@ -151,11 +164,23 @@ class GSRQCodebooks:
         num_layers = int(metadata["num_layers"])
         group_dim = int(config["group_dim"])
         stats = metadata.get("stats", {})
+        for kind in ("keys", "values"):
+            if layout_of(config, kind) not in CODEC_LAYOUTS:
+                raise CodebookFileError(f"{metadata_path}: {kind[:-1]}_layout must be one of {CODEC_LAYOUTS}, got "
+                                        f"{layout_of(config, kind)!r}.")
+        heads = int(metadata["fingerprint"]["num_key_value_heads"])
+
+        def read(kind, index):
+            prefix, codec_stats = f"layers.{index}.{kind}", _at(stats.get(kind), index)
+            if layout_of(config, kind) == "joint_heads":
+                return JointHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
+            return TransformResidualVQ.from_state_dict(tensors, prefix, group_dim, codec_stats)
+
         key_codecs, value_codecs = [], []
         try:
             for index in range(num_layers):
-                key_codecs.append(TransformResidualVQ.from_state_dict(tensors, f"layers.{index}.keys", group_dim, _at(stats.get("keys"), index)))
-                value_codecs.append(TransformResidualVQ.from_state_dict(tensors, f"layers.{index}.values", group_dim, _at(stats.get("values"), index)))
+                key_codecs.append(read("keys", index))
+                value_codecs.append(read("values", index))
         except KeyError as error:
             raise CodebookFileError(f"{tensors_path} lacks tensor {error}; the file is incomplete: re-run calibrate.") from error
         for codec in key_codecs + value_codecs:
@@ -171,11 +196,39 @@ class GSRQCodebooks:
         )
 
 
+def layout_of(config: dict, kind: str) -> str:
+    """The layout of ``kind`` ("keys"/"values") in a codebook config (files before version 3: per head)."""
+    return config.get(f"{kind[:-1]}_layout", "per_head")
+
+
 def _at(items, index):
     return items[index] if isinstance(items, list) and index < len(items) else {}
 
 
-def _validate_codec(codec: TransformResidualVQ, config: dict, path) -> None:
+def stages_for_layout(bits_per_element: float, elements: int, scales: int, codebook_bits: int, scale_bits: int) -> int:
+    """Residual stages that fit in ``bits_per_element`` over a code of ``elements`` elements with ``scales`` scales."""
+    index_bits = bits_per_element * elements - scales * scale_bits
+    if index_bits < 0:
+        raise ValueError(f"{bits_per_element} bits per element is less than the scales alone cost "
+                         f"({scales * scale_bits / elements:.3f} bits per element).")
+    return math.floor(index_bits / codebook_bits + 1e-9)
+
+
+def _validate_codec(codec, config: dict, path) -> None:
+    if isinstance(codec, JointHeadResidualVQ):
+        problems = []
+        heads = codec.num_heads
+        if codec.scale_bits != int(config.get("scale_bits", FP16_SCALE_BITS)):
+            problems.append(f"{codec.scale_bits}-bit scales where the config says {config.get('scale_bits')}")
+        elif codec.log_scale_range is not None and (
+            tuple(codec.log_scale_range.shape) != (heads, 2) or not bool((codec.log_scale_range[:, 0] < codec.log_scale_range[:, 1]).all())
+            or not bool(torch.isfinite(codec.log_scale_range).all())
+        ):
+            problems.append(f"log_scale_range {tuple(codec.log_scale_range.shape)} is not [{heads}, 2] with low < high")
+        if problems:
+            raise CodebookFileError(f"{path} holds inconsistent codebooks ({'; '.join(problems)}); re-run calibrate.")
+        codec = codec.shape_codec
+        config = {**config, "scale_bits": codec.scale_bits}  # the shape code has no scale of its own
     heads, dim = codec.mean.shape
     expected_codebook = (codec.num_stages, 2 ** int(config["codebook_bits"]), int(config["group_dim"]))
     problems = []

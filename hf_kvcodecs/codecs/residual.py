@@ -72,6 +72,11 @@ class TransformResidualVQ:
         return self.mean.shape[0]
 
     @property
+    def code_heads(self) -> int:
+        """Rows of codes per token: one per head (see :mod:`.joint` for one shared by all heads)."""
+        return self.num_heads
+
+    @property
     def head_dim(self) -> int:
         return self.mean.shape[1]
 
@@ -345,6 +350,7 @@ def fit_transform_residual_vq(
     fit_rows: int = 16384,
     seed: int = 0,
     progress: bool = False,
+    normalized_weights: torch.Tensor | None = None,
 ) -> TransformResidualVQ:
     """Fit a codec on calibration vectors ``samples`` (``[H, N, D]``).
 
@@ -359,6 +365,10 @@ def fit_transform_residual_vq(
     ``scale_bits`` is 8 (log-uniform levels between the samples' smallest and largest scale per head, widened by
     ``LOG_SCALE_MARGIN`` octaves each side; the 8 bits saved on every vector buy another stage at the same rate) or
     16 (fp16). The codec is fitted on vectors divided by their *stored* scale, as it will code them.
+
+    ``normalized_weights`` (``[H, N]``): the samples are already divided by their scales, whose squares these are
+    (the weights of a weighted fit and of the error); the fitted codec then codes shapes only (its scale is 1,
+    stored by the caller). :mod:`.joint` fits its cross-head codec this way.
     """
     if samples.ndim != 3:
         raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
@@ -371,18 +381,26 @@ def fit_transform_residual_vq(
         raise ValueError(f"scale_bits must be one of {SCALE_BIT_CHOICES}, got {scale_bits!r}.")
     x = samples.float()
     log_scale_range = None
-    if scale_bits == LOG_SCALE_BITS:
-        log_rms = torch.log2(_rms(x))  # [H, N]
-        log_scale_range = torch.stack(
-            [log_rms.min(dim=1).values - LOG_SCALE_MARGIN, log_rms.max(dim=1).values + LOG_SCALE_MARGIN], dim=1
-        )
-    scales = quantize_scales(_rms(x), log_scale_range)[1]
+    if normalized_weights is not None:
+        if normalized_weights.shape != samples.shape[:2]:
+            raise ValueError(f"normalized_weights must be [heads, tokens] = {tuple(samples.shape[:2])}, got "
+                             f"{tuple(normalized_weights.shape)}.")
+        scales = torch.ones(num_heads, n)
+        squared_scales = normalized_weights.float()
+    else:
+        if scale_bits == LOG_SCALE_BITS:
+            log_rms = torch.log2(_rms(x))  # [H, N]
+            log_scale_range = torch.stack(
+                [log_rms.min(dim=1).values - LOG_SCALE_MARGIN, log_rms.max(dim=1).values + LOG_SCALE_MARGIN], dim=1
+            )
+        scales = quantize_scales(_rms(x), log_scale_range)[1]
+        squared_scales = scales**2
     normalized = x / scales[..., None]
     root, inverse_root = _metric_roots(metric, num_heads, head_dim)
     if transform == "pca":
         mean = normalized.mean(dim=1)
         whitened = torch.bmm(normalized - mean[:, None, :], root)
-        weights_for_cov = (scales**2 if weighted else torch.ones_like(scales))[..., None]
+        weights_for_cov = (squared_scales if weighted else torch.ones_like(scales))[..., None]
         covariance = torch.einsum("hnd,hne->hde", whitened * weights_for_cov, whitened) / weights_for_cov.sum(dim=1)[..., None]
         eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
         components = eigenvectors.flip(-1)  # descending variance: strong components first, so groups share a scale
@@ -399,11 +417,11 @@ def fit_transform_residual_vq(
         synthesis=synthesis, log_scale_range=log_scale_range,
     )
     groups = head_dim // group_dim
-    weights = (scales**2 if weighted else torch.ones_like(scales)).reshape(-1)  # [H*N]
+    weights = (squared_scales if weighted else torch.ones_like(scales)).reshape(-1)  # [H*N]
     residual = codec._analyze(x, scales).reshape(num_heads * n, groups, group_dim)
     # Error is always measured in the original space (s^2-weighted), whatever the learner was trained on.
-    error_weights = (scales**2).reshape(-1)
-    signal_energy = float((scales[..., None] ** 2 * torch.bmm(normalized, root) ** 2).sum())  # in the metric
+    error_weights = squared_scales.reshape(-1)
+    signal_energy = float((squared_scales[..., None] * torch.bmm(normalized, root) ** 2).sum())  # in the metric
     generator = torch.Generator().manual_seed(seed)
     fit_index = torch.randperm(num_heads * n, generator=generator)[: min(fit_rows, num_heads * n)]
 
@@ -488,6 +506,14 @@ def gaussian_rate_distortion_reference(samples: torch.Tensor, code_bits_per_vect
         total_distortion += distortion
         total_energy += float(eigenvalues.sum())
     return total_distortion / total_energy
+
+
+def joint_rate_distortion_reference(samples: torch.Tensor, code_bits_per_vector: float) -> float:
+    """:func:`gaussian_rate_distortion_reference` for one code over all heads of a token (``H * code_bits_per_vector``
+    bits for the ``H * D`` vector): lower than the per-head reference by what the heads share."""
+    heads, n, dim = samples.shape
+    joint = samples.float().permute(1, 0, 2).reshape(1, n, heads * dim)
+    return gaussian_rate_distortion_reference(joint, heads * code_bits_per_vector)
 
 
 def _water_fill(eigenvalues: torch.Tensor, rate_bits: float) -> float:
