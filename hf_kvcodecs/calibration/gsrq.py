@@ -10,12 +10,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
-from ..codecs.gsrq_codebooks import GSRQCodebooks, stages_for_layout
+from ..codecs.gsrq_codebooks import GSRQCodebooks
 from ..codecs.joint import CODEC_LAYOUTS, DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
-    joint_rate_distortion_reference, relative_mse,
+    joint_rate_distortion_reference, relative_mse, stages_for_rate,
 )
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
@@ -82,8 +82,7 @@ def fit_gsrq_codebooks(
     kv_heads = fingerprint["num_key_value_heads"]
 
     def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
-        heads = kv_heads if layout == "joint_heads" else 1
-        return max(1, stages_for_layout(bits, heads * head_dim, heads, codebook_bits, scale_bits))
+        return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, kv_heads if layout == "joint_heads" else 1))
 
     def fitter(layout):
         return fit_joint_head_residual_vq if layout == "joint_heads" else fit_transform_residual_vq

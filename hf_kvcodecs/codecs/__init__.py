@@ -1,5 +1,6 @@
 """Pure tensor math for KV codecs: no transformers import here."""
 
+from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq
 from .kmeans import CODEBOOK_LEARNERS, fit_codebook, nearest_codeword
 from .residual import TransformResidualVQ, fit_transform_residual_vq, gaussian_rate_distortion_reference
 
@@ -8,6 +9,8 @@ __all__ = [
     "fit_codebook",
     "nearest_codeword",
     "TransformResidualVQ",
+    "JointHeadResidualVQ",
+    "fit_joint_head_residual_vq",
     "fit_transform_residual_vq",
     "gaussian_rate_distortion_reference",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
-from .residual import FP16_SCALE_BITS, TransformResidualVQ
+from .residual import FP16_SCALE_BITS, TransformResidualVQ, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -79,11 +78,10 @@ class GSRQCodebooks:
         codecs = self.key_codecs if kind == "keys" else self.value_codecs
         # a code covers one head vector, or all of a token's heads (each with its own scale)
         heads = codecs[0].num_heads if self.layout(kind) == "joint_heads" else 1
-        elements = heads * self.head_dim
-        lowest = (heads * self.scale_bits + codebook_bits) / elements
+        lowest = (heads * self.scale_bits + codebook_bits) / (heads * self.head_dim)
         if bits < lowest - 1e-9:
             raise ValueError(f"bits={bits} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} bits/element).")
-        stages = stages_for_layout(bits, elements, heads, codebook_bits, self.scale_bits)
+        stages = stages_for_rate(bits, self.head_dim, codebook_bits, self.scale_bits, heads)
         available = min(c.num_stages for c in codecs)
         if stages > available:
             raise ValueError(
@@ -203,15 +201,6 @@ def layout_of(config: dict, kind: str) -> str:
 
 def _at(items, index):
     return items[index] if isinstance(items, list) and index < len(items) else {}
-
-
-def stages_for_layout(bits_per_element: float, elements: int, scales: int, codebook_bits: int, scale_bits: int) -> int:
-    """Residual stages that fit in ``bits_per_element`` over a code of ``elements`` elements with ``scales`` scales."""
-    index_bits = bits_per_element * elements - scales * scale_bits
-    if index_bits < 0:
-        raise ValueError(f"{bits_per_element} bits per element is less than the scales alone cost "
-                         f"({scales * scale_bits / elements:.3f} bits per element).")
-    return math.floor(index_bits / codebook_bits + 1e-9)
 
 
 def _validate_codec(codec, config: dict, path) -> None:

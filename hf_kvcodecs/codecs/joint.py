@@ -184,8 +184,18 @@ class JointHeadResidualVQ:
         return self.decode(codes, scales, dtype=x.dtype)
 
     def _decoded_shapes(self, codes):
+        """Decoded unit-scale shapes ``[H, N, D]`` of codes ``[1, N, S]``. The codewords are added into their groups
+        directly: the per-head codec's dense decode table (every codeword placed in a full-width row) would hold
+        ``S * K * H * D`` floats here, 8.8 MB per layer on the default model, for rows with 8 nonzeros each."""
         inner = self.shape_codec
-        return self._split(inner._synthesize(inner._coded_transform(codes), torch.ones(codes.shape[:2], device=codes.device)))
+        tokens, stages = codes.shape[1], codes.shape[2]
+        z = torch.zeros(tokens, inner.head_dim // inner.group_dim, inner.group_dim, device=codes.device,
+                        dtype=inner.codebooks.dtype)
+        if stages:
+            words = inner.codebooks[torch.arange(stages, device=codes.device), codes[0].long()]  # [N, S, g]
+            z.index_add_(1, inner.stage_groups.to(codes.device), words)
+        unit = torch.ones(1, tokens, device=codes.device)
+        return self._split(inner._synthesize(z.reshape(1, tokens, -1), unit))
 
     def _joint(self, x):  # [H, N, D] -> [1, N, H*D]
         return x.permute(1, 0, 2).reshape(1, x.shape[1], -1)

@@ -475,9 +475,12 @@ def _metric_roots(metric, num_heads: int, head_dim: int):
     return root.float(), inverse_root.float()
 
 
-def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int, scale_bits: int = LOG_SCALE_BITS) -> int:
-    """Residual stages that fit in ``bits_per_element`` once the scale of each head vector is paid for."""
-    index_bits = bits_per_element * head_dim - scale_bits
+def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int, scale_bits: int = LOG_SCALE_BITS,
+                    heads: int = 1) -> int:
+    """Residual stages that fit in ``bits_per_element`` once the scale of each head vector is paid for; ``heads`` > 1
+    for one code over that many head vectors (a joint-head codec), each with its own scale."""
+    elements = heads * head_dim
+    index_bits = bits_per_element * elements - heads * scale_bits
     if index_bits < 0:
         raise ValueError(
             f"{bits_per_element} bits per element is less than the {scale_bits}-bit scale alone costs "
