@@ -63,6 +63,7 @@ def test_codes_are_one_row_per_token_and_each_head_keeps_its_norm():
         joint.encode(torch.randn(2, 10, DIM))
     with pytest.raises(ValueError, match="codes per vector"):
         joint.decode(codes[..., :5], scales)
+    assert joint.decode(codes[:, :0], scales[:, :0]).shape == (HEADS, 0, DIM)  # an empty coded region
 
 
 def test_prefixes_state_dict_and_attention_operands_describe_the_same_code():

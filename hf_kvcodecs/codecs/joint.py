@@ -195,7 +195,7 @@ class JointHeadResidualVQ:
             words = inner.codebooks[torch.arange(stages, device=codes.device), codes[0].long()]  # [N, S, g]
             z.index_add_(1, inner.stage_groups.to(codes.device), words)
         unit = torch.ones(1, tokens, device=codes.device)
-        return self._split(inner._synthesize(z.reshape(1, tokens, -1), unit))
+        return self._split(inner._synthesize(z.reshape(1, tokens, inner.head_dim), unit))
 
     def _joint(self, x):  # [H, N, D] -> [1, N, H*D]
         return x.permute(1, 0, 2).reshape(1, x.shape[1], -1)
