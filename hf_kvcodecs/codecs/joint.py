@@ -42,7 +42,7 @@ CODEC_LAYOUTS = ("per_head", "joint_heads")
 # Values joint, keys per head. Exploratory runs on the default model (teacher-forced KL at 2 / 1 bits, same
 # evaluation windows): both per head 0.045 / 0.33, values joint 0.030 / 0.23, keys joint 0.034 / 0.24, both joint
 # 0.022 / 0.14. Joint values cost one pass over the shared codes in the decode-time value histogram; joint keys make
-# every key rebuilt for attention sum H times as many rows (decode 1.6-1.8x slower on CPU at 4K-8K context), so they
+# every key rebuilt for attention sum H times as many rows (decode 1.4-1.8x slower on CPU at 4K-8K context), so they
 # are opt-in. `hf-kvcodecs bench decode` measures all three.
 DEFAULT_KEY_LAYOUT = "per_head"
 DEFAULT_VALUE_LAYOUT = "joint_heads"
