@@ -21,12 +21,10 @@ import torch
 
 from ..kernels import residual_encode
 from .residual import (
-    _EPS,
     DEFAULT_BEAM_WIDTH,
     DEFAULT_GAIN,
     LOG_SCALE_BITS,
     LOG_SCALE_MARGIN,
-    MAX_NORM_STRETCH,
     SCALE_BIT_CHOICES,
     TransformResidualVQ,
     _lookup_levels,
@@ -35,6 +33,7 @@ from .residual import (
     dequantize_scales,
     fit_transform_residual_vq,
     quantize_scales,
+    refit_gains,
     scale_levels,
 )
 
@@ -152,26 +151,9 @@ class JointHeadResidualVQ:
         codes = residual_encode(z[0], inner.codebooks, inner.stage_groups, beam_width)[None]
         if gain == "rms":
             return codes, scales
-        return codes, self._refit_gains(self._split(shape), self._decoded_shapes(codes), scales, scale_values, gain)
-
-    def _refit_gains(self, target, coded, scales, scale_values, gain):
-        """Per head, as :meth:`TransformResidualVQ._refit_gains` (``target``/``coded``: ``[H, N, D]`` shapes)."""
-        coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
-        overlap = (target * coded).sum(-1)
-        refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS),
-                                                    self.log_scale_range)
-
-        def error(gain):
-            return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
-
-        least_squares = torch.where(error(refitted_values) < error(scale_values), refitted, scales)
-        if gain == "least_squares":
-            return least_squares
-        ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
-        stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max),
-                                    self.log_scale_range)[0]
-        degenerate = (ratio > MAX_NORM_STRETCH) | (overlap <= 0)
-        return torch.where(degenerate, least_squares, stretched)
+        # per head, from that head's slice of the input and decoded shapes
+        return codes, refit_gains(self._split(shape), self._decoded_shapes(codes), scales, scale_values, gain,
+                                  self.log_scale_range)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: codes ``[1, N, S]`` and stored scales ``[H, N]`` -> ``[H, N, D]``."""

@@ -169,24 +169,7 @@ class TransformResidualVQ:
         """
         centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
         target = z + centre  # x / s in the coding space
-        coded = centre + self._coded_transform(codes)
-        coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
-        overlap = (target * coded).sum(-1)
-        refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), self.log_scale_range)
-
-        def error(gain):  # |a - g b|^2 up to the |a|^2 both share, with a = s * target
-            return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
-
-        least_squares = torch.where(error(refitted_values) < error(scale_values), refitted, scales)
-        if gain == "least_squares":
-            return least_squares
-        ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
-        stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), self.log_scale_range)[0]
-        # Stretching a shape that captured almost none of the vector (or points away from it) would add error rather
-        # than restore length; such vectors (a decoded shape 16x shorter than the input, or none of it) take the
-        # least-squares gain.
-        degenerate = (ratio > MAX_NORM_STRETCH) | (overlap <= 0)
-        return torch.where(degenerate, least_squares, stretched)
+        return refit_gains(target, centre + self._coded_transform(codes), scales, scale_values, gain, self.log_scale_range)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
@@ -288,6 +271,29 @@ class TransformResidualVQ:
             tensors[f"{prefix}.synthesis"].float() if f"{prefix}.synthesis" in tensors else None,
             tensors[f"{prefix}.log_scale_range"].float() if f"{prefix}.log_scale_range" in tensors else None,
         )
+
+
+def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range):
+    """Stored scales ``[H, N]`` re-chosen for decoded shapes ``coded`` of inputs ``target`` (both ``[H, N, D]``, in a
+    space where the error is plain squared distance; ``scales``/``scale_values``: the stored RMS scales and their
+    values). See :meth:`TransformResidualVQ._refit_gains` for ``gain``."""
+    coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
+    overlap = (target * coded).sum(-1)
+    refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), log_scale_range)
+
+    def error(gain):  # |a - g b|^2 up to the |a|^2 both share, with a = s * target
+        return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
+
+    least_squares = torch.where(error(refitted_values) < error(scale_values), refitted, scales)
+    if gain == "least_squares":
+        return least_squares
+    ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
+    stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), log_scale_range)[0]
+    # Stretching a shape that captured almost none of the vector (or points away from it) would add error rather than
+    # restore length; such vectors (a decoded shape 16x shorter than the input, or none of it) take the least-squares
+    # gain.
+    degenerate = (ratio > MAX_NORM_STRETCH) | (overlap <= 0)
+    return torch.where(degenerate, least_squares, stretched)
 
 
 def check_encoder_options(gain: str, beam_width: int) -> None:
