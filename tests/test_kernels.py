@@ -331,3 +331,34 @@ def test_cpu_chunking_does_not_change_results(monkeypatch, rope):
     monkeypatch.setattr(cpu, "CHUNK_TOKENS", 16)
     chunked = coded_attention_cpu(*(args[:13] + [None, None, None] + args[13:]))
     assert torch.allclose(whole[0], chunked[0], atol=1e-6) and torch.allclose(whole[1], chunked[1], atol=1e-6)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3, 5, 9, 17])
+@pytest.mark.parametrize("shared_codes", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compiled_value_histogram_matches_scatter_add(rows, shared_codes, threads):
+    """The compiled histogram pads query rows to SIMD widths and splits stages across threads; every row count
+    (padding 1 -> 4, 5 -> 8, 17 -> 32) and thread split must give the plain scatter-add's bins and weight sums."""
+    ops_native = native_ops()
+    assert ops_native is not None, build_error()
+    generator = torch.Generator().manual_seed(rows)
+    batch, heads, tokens, stages, size = 2, 3, 301, 7, 16
+    probabilities = torch.rand(batch, heads, rows, tokens, generator=generator)
+    codes = torch.randint(0, size, (batch, 1 if shared_codes else heads, tokens, stages), generator=generator)
+    scales = 0.5 + torch.rand(batch, heads, tokens, generator=generator)
+    weights = probabilities * scales[:, :, None, :]
+    bins = (codes.expand(batch, heads, tokens, stages) + torch.arange(stages) * size)  # [B, H, N, S]
+    expected = torch.zeros(batch, heads, rows, stages * size, dtype=torch.float64)
+    index = bins.reshape(batch, heads, 1, tokens * stages).expand(batch, heads, rows, -1)
+    source = weights.double()[..., None].expand(-1, -1, -1, -1, stages).reshape(batch, heads, rows, -1)
+    expected.scatter_add_(-1, index, source)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        histogram, weight_sum = ops_native.value_histogram(probabilities, codes.to(torch.uint8).contiguous(), scales, size)
+    finally:
+        torch.set_num_threads(previous)
+    assert histogram.shape == expected.shape
+    torch.testing.assert_close(histogram.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(weight_sum.double(), weights.double().sum(-1), rtol=1e-5, atol=1e-5)
