@@ -94,8 +94,7 @@ def coded_attention_cpu(
         scores *= scaling  # (the compiled loops apply it per token)
     if mask is not None:
         scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
-    lse = torch.logsumexp(scores, dim=-1)
-    probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)
+    probabilities, lse = reference.softmax_with_lse(scores)
     if native is not None:
         size = value_codebooks.shape[1]
         if value_codes.shape[1] == 1 and kv_heads > 1:

@@ -186,8 +186,7 @@ def coded_attention_reference(
     scores *= scaling
     if mask is not None:
         scores += mask.float().repeat(1, group_count, 1)[:, None]  # row m = g * Lq + l uses mask row l
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, M]
-    probabilities = torch.exp(scores - lse[..., None]).nan_to_num_(0.0)  # fully masked rows -> 0
+    probabilities, lse = softmax_with_lse(scores)  # lse [B, Hkv, M]
     if lookup:
         out = _histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis, value_codebooks,
                                 value_stage_groups, chunk_tokens)
@@ -249,11 +248,22 @@ def values_from_histogram(histogram, weight_sum, mean, synthesis, codebooks, sta
 
 
 # ---- merging partial attentions -----------------------------------------------------------------------------------
+def softmax_with_lse(scores: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of ``scores`` along ``dim`` and its log-sum-exp (``dim`` removed). A fully masked slice (all -inf)
+    gives probabilities 0 and lse -inf, so it drops out of a merge. Written as max / exp / sum rather than
+    ``torch.logsumexp`` followed by ``exp(scores - lse)``: half the passes over the scores, which matters on CPU,
+    where this runs for every layer of every decode step."""
+    peak = scores.amax(dim, keepdim=True)
+    peak.masked_fill_(peak == -math.inf, 0.0)
+    weights = (scores - peak).exp_()
+    total = weights.sum(dim, keepdim=True)
+    lse = (total.log() + peak).squeeze(dim)
+    return weights.div_(total.clamp_min_(torch.finfo(weights.dtype).tiny)), lse
+
+
 def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One softmax over several key regions: combine normalized outputs ``[..., D]`` by their log-sum-exps ``[...]``."""
-    lses = torch.stack([lse for _, lse in parts])  # [P, ...]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total[None]).nan_to_num_(0.0)
+    weights, _ = softmax_with_lse(torch.stack([lse for _, lse in parts]), dim=0)  # [P, ...]
     return sum(w[..., None] * out for w, (out, _) in zip(weights, parts))
 
 
@@ -269,6 +279,6 @@ def exact_attention_partial(query, keys, values, mask, scaling):
     scores = (q @ keys.float().transpose(-1, -2)) * scaling
     if mask is not None:
         scores += mask.float().repeat(1, group_count, 1)[:, None]
-    lse = torch.logsumexp(scores, dim=-1)
-    out = (torch.exp(scores - lse[..., None]).nan_to_num_(0.0)) @ values.float()
+    probabilities, lse = softmax_with_lse(scores)
+    out = probabilities @ values.float()
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)

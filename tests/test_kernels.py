@@ -362,3 +362,21 @@ def test_compiled_value_histogram_matches_scatter_add(rows, shared_codes, thread
     assert histogram.shape == expected.shape
     torch.testing.assert_close(histogram.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weight_sum.double(), weights.double().sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [-1, 0])
+def test_softmax_with_lse_matches_torch_and_drops_fully_masked_slices(dim):
+    generator = torch.Generator().manual_seed(5)
+    scores = 4 * torch.randn(3, 5, 40, generator=generator, dtype=torch.float64)
+    scores[1, 2] = -math.inf  # a fully masked row (dim -1)
+    scores[:, 3, 7] = -math.inf  # a fully masked column (dim 0)
+    scores[0, 0, :10] = -math.inf  # partly masked
+    probabilities, lse = reference.softmax_with_lse(scores, dim=dim)
+    expected_lse = torch.logsumexp(scores, dim=dim)
+    expected = torch.softmax(scores, dim=dim).nan_to_num(0.0)
+    torch.testing.assert_close(probabilities, expected, rtol=1e-12, atol=1e-15)
+    assert torch.equal(lse.isneginf(), expected_lse.isneginf()) and lse.isneginf().any()
+    finite = ~expected_lse.isneginf()
+    torch.testing.assert_close(lse[finite], expected_lse[finite], rtol=1e-12, atol=1e-12)
+    masked = probabilities.sum(dim)[~finite]
+    assert masked.numel() > 0 and (masked == 0).all()
