@@ -5,7 +5,8 @@
 //   prerope_scores    key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted with
 //                     every query row of its KV head, times the token's scale and the softmax scaling;
 //   value_histogram   probability x value scale added into one bin per (stage, codeword), per query row.
-// Both split the tokens of every (batch, KV head) into blocks run in parallel on torch's intra-op threads.
+// prerope_scores splits the tokens of every (batch, KV head) into blocks, value_histogram its stages, run in parallel
+// on torch's intra-op threads.
 //   residual_encode_beam  the beam-search encoder (reference: residual_encode_beam_reference), one vector at a time
 //                     with its beams in stack-sized buffers instead of [rows, beams * K] score tensors; rows run in
 //                     parallel.
