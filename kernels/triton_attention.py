@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .reference import softmax_with_lse
+
 
 @triton.jit
 def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_mask, S, K: tl.constexpr,
@@ -202,7 +204,6 @@ def coded_attention_triton(
     )
     out = out.reshape(batch, kv_heads, num_splits, rows, dim)
     lse = lse.reshape(batch, kv_heads, num_splits, rows)
-    total = torch.logsumexp(lse, dim=2)
-    weights = torch.exp(lse - total[:, :, None]).nan_to_num_(0.0)
+    weights, total = softmax_with_lse(lse, dim=2)  # the splits' partial softmaxes joined into one
     merged = (weights[..., None] * out).sum(dim=2)
     return merged.reshape(batch, query_heads, query_length, dim), total.reshape(batch, query_heads, query_length)
