@@ -6,7 +6,7 @@ Same contract and math as ``coded_attention_reference``; it differs only in how 
   token at a time; without a compiler, one ``embedding_bag`` per chunk rebuilds the keys and PyTorch ops do the rest;
 * keys coded after RoPE: one ``embedding_bag`` over query-codebook lookup tables;
 * values: a histogram of probability x scale per codeword (compiled loops, or one ``scatter_add_``), multiplied by
-  the codebooks once.
+  the codebooks once (in the compiled loops too), then by the synthesis matrix.
 Larger query blocks (prefill) go to the reference.
 """
 
@@ -35,16 +35,18 @@ def coded_attention_cpu(
     key_mean, key_synthesis, key_codebooks, key_stage_groups,
     value_mean, value_synthesis, value_codebooks, value_stage_groups,
     key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
+    exact_keys=None, exact_values=None, exact_mask=None,
 ):
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens, key_stages = key_scales.shape[1], key_codes.shape[2], key_codes.shape[3]
     rows = (query_heads // kv_heads) * query_length
     if rows > reference.LOOKUP_MAX_ROWS or tokens == 0:
-        return reference.coded_attention_reference(
+        coded = reference.coded_attention_reference(
             query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
             key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, positions, inv_freq,
             attention_scaling, mask, scaling,
         )
+        return reference.join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling)
     size = key_codebooks.shape[1]
     q = query.float().reshape(batch, kv_heads, rows, dim)
     key_scales = key_scales.float()
@@ -68,7 +70,7 @@ def coded_attention_cpu(
         index = _flat_index(key_codes, key_stages * size, size)
         scores = F.embedding_bag(index.reshape(-1, key_stages), table, mode="sum").reshape(batch, kv_heads, tokens, rows)
         scores = (scores + constant[:, :, None, :]) * key_scales[..., None]
-        scores = scores.transpose(-1, -2)
+        scores = scores.transpose(-1, -2).contiguous()  # rows contiguous, as the compiled value loops read them
     else:
         if key_table is None:
             key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
@@ -94,24 +96,34 @@ def coded_attention_cpu(
         scores *= scaling  # (the compiled loops apply it per token)
     if mask is not None:
         scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
+    exact = exact_keys is not None and exact_keys.shape[-2] > 0
+    if exact:  # the exact tokens' scores join the coded ones: one softmax, no merge afterwards
+        exact_scores = (q @ exact_keys.float().transpose(-1, -2)).mul_(scaling)
+        if exact_mask is not None:
+            exact_scores += exact_mask.float().repeat(1, rows // query_length, 1)[:, None]
+        scores = torch.cat([scores, exact_scores], dim=-1)
     probabilities, lse = reference.softmax_with_lse(scores)
     if native is not None:
-        size = value_codebooks.shape[1]
+        codebooks, stage_groups = value_codebooks.float().contiguous(), value_stage_groups.long().contiguous()
+        transform_dim = value_synthesis.shape[1]
         if value_codes.shape[1] == 1 and kv_heads > 1:
             # Joint-head codes are shared by every head: one pass over them with all heads' rows at once (the
             # per-head scales go into the weights) instead of one pass per head.
-            weighted = (probabilities * value_scales.float()[:, :, None, :]).reshape(batch, 1, kv_heads * rows, tokens)
-            histogram, weight_sum = native.value_histogram(weighted.contiguous(), value_codes.contiguous(),
-                                                           torch.ones(batch, 1, tokens), size)
-            histogram, weight_sum = histogram.reshape(batch, kv_heads, rows, -1), weight_sum.reshape(batch, kv_heads, rows)
+            weighted = probabilities[..., :tokens] * value_scales.float()[:, :, None, :]
+            weighted = weighted.reshape(batch, 1, kv_heads * rows, tokens)
+            z, weight_sum = native.value_transform_sums(weighted, value_codes.contiguous(), torch.ones(batch, 1, tokens),
+                                                        codebooks, stage_groups, transform_dim)
+            z, weight_sum = z.reshape(batch, kv_heads, rows, -1), weight_sum.reshape(batch, kv_heads, rows)
         else:
-            histogram, weight_sum = native.value_histogram(probabilities.contiguous(), value_codes.contiguous(),
-                                                           value_scales.float().contiguous(), size)
-        out = reference.values_from_histogram(histogram, weight_sum, value_mean, value_synthesis, value_codebooks,
-                                              value_stage_groups)
+            z, weight_sum = native.value_transform_sums(probabilities, value_codes.contiguous(),
+                                                        value_scales.float().contiguous(), codebooks, stage_groups,
+                                                        transform_dim)
+        out = reference.values_from_transform_sums(z, weight_sum, value_mean, value_synthesis)
     else:
-        out = reference._histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis,
-                                          value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
+        out = reference._histogram_values(probabilities[..., :tokens], value_codes, value_scales, value_mean,
+                                          value_synthesis, value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
+    if exact:
+        out += probabilities[..., tokens:] @ exact_values.float()
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 

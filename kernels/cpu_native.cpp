@@ -4,9 +4,10 @@
 // multi-megabyte temporaries, these loops do per token with the vector in a stack buffer:
 //   prerope_scores    key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted with
 //                     every query row of its KV head, times the token's scale and the softmax scaling;
-//   value_histogram   probability x value scale added into one bin per (stage, codeword), per query row.
-// prerope_scores splits the tokens of every (batch, KV head) into blocks, value_histogram its stages, run in parallel
-// on torch's intra-op threads.
+//   value_transform_sums  probability x value scale added into one bin per (stage, codeword), per query row, then
+//                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors.
+// prerope_scores splits the tokens of every (batch, KV head) into blocks, value_transform_sums its stages, run in
+// parallel on torch's intra-op threads.
 //   residual_encode_beam  the beam-search encoder (reference: residual_encode_beam_reference), one vector at a time
 //                     with its beams in stack-sized buffers instead of [rows, beams * K] score tensors; rows run in
 //                     parallel.
@@ -187,15 +188,15 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
 // `padded / L` vector read-modify-writes instead of `rows` scalar ones (9 rows, joint-head values: one AVX-512 add).
 // Adds the tokens of stages [first_stage, last_stage); the weight sum only when asked.
 template <int64_t L>
-void histogram_stages(const float* probabilities, const uint8_t* codes, const float* scales, float* histogram,
-                      float* weight_sum, int64_t rows, int64_t padded, int64_t tokens, int64_t stages,
+void histogram_stages(const float* probabilities, int64_t row_stride, const uint8_t* codes, const float* scales,
+                      float* histogram, float* weight_sum, int64_t rows, int64_t padded, int64_t tokens, int64_t stages,
                       int64_t codebook_size, int64_t first_stage, int64_t last_stage) {
   typedef float VecL __attribute__((vector_size(4 * L), aligned(4)));
   const int64_t chunks = padded / L;
   std::vector<float> weight(padded, 0.f);
   for (int64_t t = 0; t < tokens; ++t) {
     const float scale = scales[t];
-    for (int64_t m = 0; m < rows; ++m) weight[m] = probabilities[m * tokens + t] * scale;
+    for (int64_t m = 0; m < rows; ++m) weight[m] = probabilities[m * row_stride + t] * scale;
     if (weight_sum != nullptr) {
       for (int64_t m = 0; m < rows; ++m) weight_sum[m] += weight[m];
     }
@@ -210,37 +211,91 @@ void histogram_stages(const float* probabilities, const uint8_t* codes, const fl
   }
 }
 
+// z[m, :g] += sum over codewords k of counts[k, m] * words[k, :g], for every query row m: the query rows' sums kept
+// in registers while the stage's codewords stream past once.
+template <int64_t G>
+void stage_times_codebook(const float* counts, const float* words, float* z, int64_t rows, int64_t padded,
+                          int64_t codebook_size, int64_t transform_dim) {
+  typedef float VecG __attribute__((vector_size(4 * G), aligned(4)));
+  constexpr int64_t kRowBlock = 8;
+  for (int64_t m0 = 0; m0 < rows; m0 += kRowBlock) {
+    const int64_t block = std::min(kRowBlock, rows - m0);
+    VecG sums[kRowBlock] = {};
+    for (int64_t k = 0; k < codebook_size; ++k) {
+      const VecG word = *reinterpret_cast<const VecG*>(words + k * G);
+      const float* c = counts + k * padded + m0;
+      for (int64_t m = 0; m < block; ++m) sums[m] += c[m] * word;
+    }
+    for (int64_t m = 0; m < block; ++m) {
+      VecG* target = reinterpret_cast<VecG*>(z + (m0 + m) * transform_dim);
+      *target += sums[m];
+    }
+  }
+}
+
+void stage_times_codebook_any(const float* counts, const float* words, float* z, int64_t rows, int64_t padded,
+                              int64_t codebook_size, int64_t transform_dim, int64_t group_dim) {
+  for (int64_t k = 0; k < codebook_size; ++k) {
+    for (int64_t m = 0; m < rows; ++m) {
+      const float c = counts[k * padded + m];
+      for (int64_t j = 0; j < group_dim; ++j) z[m * transform_dim + j] += c * words[k * group_dim + j];
+    }
+  }
+}
+
 int64_t histogram_lanes(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 16; }
 
-// probabilities [B, H, M, N] f32; codes [B, H or 1, N, S] u8; scales [B, H, N] f32
-//   -> histogram [B, H, M, S * K] f32 (sum of p * scale per stage and codeword), weight sum [B, H, M] f32
-std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabilities, const at::Tensor& codes,
-                                                   const at::Tensor& scales, int64_t codebook_size) {
-  check(probabilities.dim() == 4 && codes.dim() == 4 && scales.dim() == 3, "unexpected ranks");
-  check(probabilities.scalar_type() == at::kFloat && probabilities.is_contiguous(),
-        "probabilities must be contiguous float32");
+// probabilities [B, H, M, >= N] f32, any strides but unit stride within a row (only the first N columns are read: the
+// coded tokens of a softmax that may also span exact tokens); codes [B, H or 1, N, S] u8; scales [B, H, N] f32;
+// codebooks [S, K, g] f32; stage_groups [S] i64
+//   -> z [B, H, M, Dt] f32: sum over tokens of p * scale * (the token's transform-domain vector: codeword of each
+//      stage placed in its group), weight sum [B, H, M] f32 (sum of p * scale).
+// Per (batch, head) and range of stages, a histogram of p * scale per (stage, codeword) is built, then multiplied by
+// the codebooks: each codeword is read once per call instead of once per token.
+std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probabilities, const at::Tensor& codes,
+                                                        const at::Tensor& scales, const at::Tensor& codebooks,
+                                                        const at::Tensor& stage_groups, int64_t transform_dim) {
+  check(probabilities.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && codebooks.dim() == 3 &&
+            stage_groups.dim() == 1,
+        "unexpected ranks");
+  check(probabilities.scalar_type() == at::kFloat && (probabilities.stride(3) == 1 || probabilities.size(3) <= 1),
+        "probabilities must be float32 with contiguous rows");
   check(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous float32");
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  check(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous(), "codebooks must be contiguous float32");
+  check(stage_groups.scalar_type() == at::kLong && stage_groups.is_contiguous(), "stage_groups must be int64");
   const int64_t batch = probabilities.size(0), heads = probabilities.size(1), rows = probabilities.size(2);
-  const int64_t tokens = probabilities.size(3), stages = codes.size(3);
-  check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1) && codes.size(2) == tokens,
-        "codes do not match");
-  const int64_t code_heads = codes.size(1);
+  const int64_t batch_stride = probabilities.stride(0), head_stride = probabilities.stride(1);
+  const int64_t row_stride = probabilities.stride(2);
+  const int64_t tokens = codes.size(2), stages = codes.size(3);
+  const int64_t codebook_size = codebooks.size(1), group_dim = codebooks.size(2);
+  check(probabilities.size(3) >= tokens, "fewer probabilities than coded tokens");
+  check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1), "codes do not match");
   check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match");
+  check(codebooks.size(0) >= stages && stage_groups.size(0) >= stages, "fewer codebooks than code stages");
+  check(group_dim >= 1 && transform_dim % group_dim == 0, "group_dim must divide transform_dim");
+  const int64_t* groups = stage_groups.data_ptr<int64_t>();
+  for (int64_t s = 0; s < stages; ++s) {
+    check(groups[s] >= 0 && groups[s] < transform_dim / group_dim, "stage group out of range");
+  }
+  const int64_t code_heads = codes.size(1);
   const int64_t bins = stages * codebook_size;
   const int64_t lanes = histogram_lanes(rows);
   const int64_t padded = (rows + lanes - 1) / lanes * lanes;
   // Threads split the stages, not the tokens: each owns its bins outright, so there are no private histograms to
-  // zero and add up afterwards (for joint-head values they were two megabyte-sized buffers per call).
+  // zero and add up afterwards; only the small per-range sums [M, Dt] are added at the end.
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), stages));
   const int64_t range_stages = (stages + ranges - 1) / ranges;
   // Bins outermost, query rows innermost (padded): one token's rows add into one cache line per stage.
   auto histogram = at::empty({batch, heads, bins, padded}, probabilities.options());
+  auto partial = at::zeros({ranges, batch, heads, rows, transform_dim}, probabilities.options());
   auto weight_sum = at::zeros({batch, heads, rows}, probabilities.options());
   const float* pp = probabilities.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
+  const float* bp = codebooks.data_ptr<float>();
   float* hp = histogram.data_ptr<float>();
+  float* zp = partial.data_ptr<float>();
   float* wp = weight_sum.data_ptr<float>();
   at::parallel_for(0, batch * heads * ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
@@ -252,11 +307,23 @@ std::tuple<at::Tensor, at::Tensor> value_histogram(const at::Tensor& probabiliti
                 head_histogram + last_stage * codebook_size * padded, 0.f);
       const uint8_t* head_codes = cp + ((bh / heads) * code_heads + (bh % heads) % code_heads) * tokens * stages;
       const auto run = lanes == 4 ? histogram_stages<4> : lanes == 8 ? histogram_stages<8> : histogram_stages<16>;
-      run(pp + bh * rows * tokens, head_codes, sp + bh * tokens, head_histogram, range == 0 ? wp + bh * rows : nullptr,
-          rows, padded, tokens, stages, codebook_size, first_stage, last_stage);
+      run(pp + (bh / heads) * batch_stride + (bh % heads) * head_stride, row_stride, head_codes, sp + bh * tokens,
+          head_histogram, range == 0 ? wp + bh * rows : nullptr, rows, padded, tokens, stages, codebook_size,
+          first_stage, last_stage);
+      float* z = zp + (range * batch * heads + bh) * rows * transform_dim;
+      for (int64_t s = first_stage; s < last_stage; ++s) {
+        const float* stage_counts = head_histogram + s * codebook_size * padded;
+        const float* words = bp + s * codebook_size * group_dim;
+        float* zs = z + groups[s] * group_dim;
+        if (group_dim == 8) {
+          stage_times_codebook<8>(stage_counts, words, zs, rows, padded, codebook_size, transform_dim);
+        } else {
+          stage_times_codebook_any(stage_counts, words, zs, rows, padded, codebook_size, transform_dim, group_dim);
+        }
+      }
     }
   });
-  return {histogram.narrow(-1, 0, rows).transpose(2, 3), weight_sum};
+  return {ranges == 1 ? partial[0] : partial.sum(0), weight_sum};
 }
 
 // z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
@@ -379,12 +446,13 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
 TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
   m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor table, Tensor mean, Tensor cos, Tensor sin, "
         "int codebook_size, float scaling) -> Tensor");
-  m.def("value_histogram(Tensor probabilities, Tensor codes, Tensor scales, int codebook_size) -> (Tensor, Tensor)");
+  m.def("value_transform_sums(Tensor probabilities, Tensor codes, Tensor scales, Tensor codebooks, "
+        "Tensor stage_groups, int transform_dim) -> (Tensor, Tensor)");
   m.def("residual_encode_beam(Tensor z, Tensor codebooks, Tensor stage_groups, int beam_width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {
   m.impl("prerope_scores", &prerope_scores);
-  m.impl("value_histogram", &value_histogram);
+  m.impl("value_transform_sums", &value_transform_sums);
   m.impl("residual_encode_beam", &residual_encode_beam);
 }

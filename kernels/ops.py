@@ -68,8 +68,15 @@ def coded_attention(
     attention_scaling: float,
     mask: Optional[Tensor],
     scaling: float,
+    exact_keys: Optional[Tensor] = None,
+    exact_values: Optional[Tensor] = None,
+    exact_mask: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention over the coded region: (output ``[B, Hq, Lq, D]`` fp32, log-sum-exp ``[B, Hq, Lq]`` fp32).
+
+    With ``exact_keys``/``exact_values`` (``[B, Hkv, T, D]``, RoPE applied, any float dtype; ``exact_mask``
+    ``[B, Lq, T]`` additive or None) the attention spans the coded region and those tokens with one softmax, and the
+    output and log-sum-exp are over both: the CPU implementation then needs no separate merge.
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
@@ -79,20 +86,30 @@ def coded_attention(
     """
     return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
                       key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,
-                      rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling)
+                      rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling, exact_keys,
+                      exact_values, exact_mask)
 
 
 _PRECOMPUTED = slice(13, 16)  # key_table, rotary_cos, rotary_sin
+_CODED_ARGUMENTS = 21  # then exact_keys, exact_values, exact_mask
 
 
-def _without_precomputed(args):
-    arguments = list(args)
+def _split(args):
+    """(the coded region's arguments without the precomputed inputs, the exact tokens' (keys, values, mask))."""
+    arguments = list(args[:_CODED_ARGUMENTS])
     del arguments[_PRECOMPUTED]
-    return arguments
+    exact = (list(args[_CODED_ARGUMENTS:]) + [None, None, None])[:3]
+    return arguments, exact
+
+
+def _joined(coded_attention_implementation, args):
+    coded_args, exact = _split(args)
+    coded = coded_attention_implementation(*coded_args)
+    return reference.join_exact_attention(coded, args[0], *exact, args[_CODED_ARGUMENTS - 1])
 
 
 def _reference(*args):
-    return reference.coded_attention_reference(*_without_precomputed(args))
+    return _joined(reference.coded_attention_reference, args)
 
 
 @coded_attention.register_kernel("cpu")
@@ -117,7 +134,7 @@ def _coded_attention_cuda(*args):
 
     # The Triton kernel reconstructs in the transform domain (8-dim codewords, one small matmul) and computes the
     # rotation from positions in registers: on a GPU, reading precomputed tables would cost more bandwidth than codes.
-    return coded_attention_triton(*_without_precomputed(args))
+    return _joined(coded_attention_triton, args)
 
 
 @coded_attention.register_fake

@@ -243,7 +243,12 @@ def values_from_histogram(histogram, weight_sum, mean, synthesis, codebooks, sta
     per_stage = torch.einsum("bhmsk,skg->bhmsg", histogram.reshape(batch, kv_heads, rows, stages, size), codebooks.float())
     z = torch.zeros(batch, kv_heads, rows, dim // group_dim, group_dim, device=histogram.device)
     z.index_add_(3, stage_groups.long(), per_stage)
-    z = z.reshape(batch, kv_heads, rows, dim)
+    return values_from_transform_sums(z.reshape(batch, kv_heads, rows, dim), weight_sum, mean, synthesis)
+
+
+def values_from_transform_sums(z, weight_sum, mean, synthesis):
+    """Attention output ``[B, Hkv, M, D]`` from ``z`` ``[B, Hkv, M, Dt]``, the sum of ``p_n * s_n`` times each token's
+    transform-domain vector, and ``weight_sum``: values are ``s_n * (mean + z_n @ synthesis)``, which is linear."""
     return weight_sum[..., None] * mean.float()[None, :, None, :] + torch.einsum("bhmd,hde->bhme", z, synthesis.float())
 
 
@@ -261,10 +266,19 @@ def softmax_with_lse(scores: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor,
     return weights.div_(total.clamp_min_(torch.finfo(weights.dtype).tiny)), lse
 
 
-def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One softmax over several key regions: combine normalized outputs ``[..., D]`` by their log-sum-exps ``[...]``."""
-    weights, _ = softmax_with_lse(torch.stack([lse for _, lse in parts]), dim=0)  # [P, ...]
-    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts))
+def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over several key regions: combine normalized outputs ``[..., D]`` by their log-sum-exps ``[...]``;
+    returns the joined (output, log-sum-exp)."""
+    weights, lse = softmax_with_lse(torch.stack([lse for _, lse in parts]), dim=0)  # [P, ...]
+    return sum(w[..., None] * out for w, (out, _) in zip(weights, parts)), lse
+
+
+def join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling):
+    """The coded region's (output, lse) joined with attention over exact keys/values ``[B, Hkv, T, D]`` (the
+    cache's sinks and window): what ``coded_attention`` returns when it is given them."""
+    if exact_keys is None:
+        return coded
+    return merge_partial_attention([exact_attention_partial(query, exact_keys, exact_values, exact_mask, scaling), coded])
 
 
 def exact_attention_partial(query, keys, values, mask, scaling):

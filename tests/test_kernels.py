@@ -1,6 +1,7 @@
 """Parity of the GSRQ kernels: Triton (interpreted on CPU) vs the CPU implementation vs the PyTorch reference vs a
 float64 dequantize-then-attend computation. Error budgets are relative to plain PyTorch's error in the same dtype."""
 
+import functools
 import math
 import os
 import shutil
@@ -88,6 +89,12 @@ def dequantize_then_attend(problem, dtype):
     scores = (query @ keys.transpose(-1, -2)).to(torch.float64 if dtype == torch.float64 else dtype) * problem["scaling"]
     if problem["mask"] is not None:
         scores = scores + problem["mask"][:, None].to(scores.dtype)
+    if "exact" in problem:  # sinks and window: attended exact, in the same softmax
+        exact_keys, exact_values, exact_mask = problem["exact"]
+        exact_keys = exact_keys.to(dtype).repeat_interleave(group_count, 1)
+        exact_scores = (query @ exact_keys.transpose(-1, -2)).to(scores.dtype) * problem["scaling"]
+        scores = torch.cat([scores, exact_scores + exact_mask[:, None].to(scores.dtype)], dim=-1)
+        values = torch.cat([values, exact_values.to(dtype).repeat_interleave(group_count, 1)], dim=-2)
     lse = torch.logsumexp(scores.double(), dim=-1)
     return (torch.softmax(scores, dim=-1) @ values).double(), lse
 
@@ -184,6 +191,36 @@ def test_coded_attention_matches_float64_within_pytorch_error(shape, rope, dtype
         # as flash-attention's tests: within twice plain PyTorch's error in this dtype (+ an fp32 rounding floor)
         assert error <= 2 * pytorch_error + 1e-5, (name, error, pytorch_error)
         assert torch.allclose(lse.double(), truth_lse, atol=1e-4), name
+
+
+@pytest.mark.parametrize("rope", [True, False], ids=["keys-pre-rope", "keys-post-rope"])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[6]], ids=["gqa3", "queries3", "joint-values"])
+@pytest.mark.parametrize("exact_dtype", [torch.float32, torch.bfloat16])
+def test_exact_tokens_join_the_coded_attention_in_one_softmax(shape, rope, exact_dtype):
+    """With the cache's exact tokens (sinks, window) passed in, every implementation returns attention over coded and
+    exact tokens together: the CPU one with a single softmax, the others by a log-sum-exp merge."""
+    problem = make_problem(rope=rope, **shape)
+    generator = torch.Generator().manual_seed(9)
+    batch, kv_heads, query_length = problem["query"].shape[0], problem["key_scales"].shape[1], problem["query"].shape[2]
+    dim = problem["query"].shape[-1]
+    exact_mask = torch.zeros(batch, query_length, 6)
+    exact_mask[0, :, :2] = -math.inf  # e.g. padded sink tokens of the first row
+    problem["exact"] = (torch.randn(batch, kv_heads, 6, dim, generator=generator).to(exact_dtype),
+                        torch.randn(batch, kv_heads, 6, dim, generator=generator).to(exact_dtype), exact_mask)
+    truth, truth_lse = dequantize_then_attend(problem, torch.float64)
+    args = op_arguments(problem) + list(problem["exact"])
+    triton_small_grid = functools.partial(coded_attention_triton, block_n=16, tokens_per_split=32)
+    for name, implementation in {
+        "reference": lambda: ops._reference(*args),
+        "cpu-native": lambda: cpu_with("auto")(*(args[:13] + args[16:])),
+        "cpu-pytorch": lambda: cpu_with("pytorch")(*(args[:13] + args[16:])),
+        "triton": lambda: ops._joined(triton_small_grid, args),
+        "op": lambda: coded_attention(*args),
+    }.items():
+        out, lse = implementation()
+        assert (out.double() - truth).abs().max() < 1e-5, name
+        assert torch.allclose(lse.double(), truth_lse, atol=1e-5), name
+    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_infinite_lse():
@@ -337,30 +374,38 @@ def test_cpu_chunking_does_not_change_results(monkeypatch, rope):
 @pytest.mark.parametrize("rows", [1, 3, 5, 9, 17])
 @pytest.mark.parametrize("shared_codes", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_compiled_value_histogram_matches_scatter_add(rows, shared_codes, threads):
-    """The compiled histogram pads query rows to SIMD widths and splits stages across threads; every row count
-    (padding 1 -> 4, 5 -> 8, 17 -> 32) and thread split must give the plain scatter-add's bins and weight sums."""
+def test_compiled_value_sums_match_scatter_add(rows, shared_codes, threads):
+    """The compiled loops pad query rows to SIMD widths, split stages across threads and read only the coded
+    columns of a wider probability row; every row count (padding 1 -> 4, 5 -> 8, 17 -> 32) and thread split must
+    give the float64 scatter-add histogram times the codebooks, placed in each stage's group."""
     ops_native = native_ops()
     assert ops_native is not None, build_error()
     generator = torch.Generator().manual_seed(rows)
-    batch, heads, tokens, stages, size = 2, 3, 301, 7, 16
-    probabilities = torch.rand(batch, heads, rows, tokens, generator=generator)
+    batch, heads, tokens, stages, size, group_dim, groups = 2, 3, 301, 7, 16, 4, 3
+    probabilities = torch.rand(batch, heads, rows, tokens + 5, generator=generator)  # 5 exact tokens after the coded
     codes = torch.randint(0, size, (batch, 1 if shared_codes else heads, tokens, stages), generator=generator)
     scales = 0.5 + torch.rand(batch, heads, tokens, generator=generator)
-    weights = probabilities * scales[:, :, None, :]
+    codebooks = torch.randn(stages, size, group_dim, generator=generator)
+    stage_groups = torch.tensor([0, 2, 0, 1, 2, 2, 0])
+    weights = probabilities[..., :tokens] * scales[:, :, None, :]
     bins = (codes.expand(batch, heads, tokens, stages) + torch.arange(stages) * size)  # [B, H, N, S]
-    expected = torch.zeros(batch, heads, rows, stages * size, dtype=torch.float64)
+    histogram = torch.zeros(batch, heads, rows, stages * size, dtype=torch.float64)
     index = bins.reshape(batch, heads, 1, tokens * stages).expand(batch, heads, rows, -1)
     source = weights.double()[..., None].expand(-1, -1, -1, -1, stages).reshape(batch, heads, rows, -1)
-    expected.scatter_add_(-1, index, source)
+    histogram.scatter_add_(-1, index, source)
+    per_stage = torch.einsum("bhmsk,skg->bhmsg", histogram.reshape(batch, heads, rows, stages, size), codebooks.double())
+    expected = torch.zeros(batch, heads, rows, groups, group_dim, dtype=torch.float64)
+    expected.index_add_(3, stage_groups, per_stage)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        histogram, weight_sum = ops_native.value_histogram(probabilities, codes.to(torch.uint8).contiguous(), scales, size)
+        z, weight_sum = ops_native.value_transform_sums(probabilities, codes.to(torch.uint8).contiguous(), scales,
+                                                        codebooks, stage_groups, groups * group_dim)
     finally:
         torch.set_num_threads(previous)
-    assert histogram.shape == expected.shape
-    torch.testing.assert_close(histogram.double(), expected, rtol=1e-5, atol=1e-5)
+    assert z.shape == (batch, heads, rows, groups * group_dim)
+    # fp32 sums of ~300 terms of size ~1 against float64: a few ulps of the largest entry
+    torch.testing.assert_close(z.double(), expected.reshape(z.shape), rtol=1e-5, atol=1e-6 * expected.abs().max().item())
     torch.testing.assert_close(weight_sum.double(), weights.double().sum(-1), rtol=1e-5, atol=1e-5)
 
 

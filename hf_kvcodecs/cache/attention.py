@@ -1,7 +1,7 @@
-"""Attention over one GSRQ layer that reads codes: the exact tokens (sinks and window) directly, the coded history
-through the ``hf_kvcodecs::coded_attention`` op (Triton on CUDA, a PyTorch implementation on CPU), joined by one
-log-sum-exp merge. Long query blocks (prefill) take the dequantize path instead: their tokens were just computed in
-full precision anyway, and code-reading pays off per decoded token.
+"""Attention over one GSRQ layer that reads codes: the coded history and the exact tokens (sinks and window) in one
+call of the ``hf_kvcodecs::coded_attention`` op (Triton on CUDA, compiled loops or PyTorch on CPU), joined by one
+softmax on CPU and by a log-sum-exp merge elsewhere. Long query blocks (prefill) take the dequantize path instead:
+their tokens were just computed in full precision anyway, and code-reading pays off per decoded token.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..kernels import coded_attention
-from ..kernels.reference import LOOKUP_MAX_ROWS, exact_attention_partial, merge_partial_attention
+from ..kernels.reference import LOOKUP_MAX_ROWS
 
 
 def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int, device) -> torch.Tensor | None:
@@ -61,14 +61,13 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     pre_rope = layer.key_space == "pre_rope"
     on_cpu = query.device.type == "cpu"
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
-    coded = coded_attention(
+    out, _ = coded_attention(
         query, layer.key_codes, key_codec.scale_values(layer.key_scales), layer.value_codes,
         value_codec.scale_values(layer.value_scales),
         *key_codec.attention_operands(), *value_codec.attention_operands(),
         key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
         layer.rope_inv_freq.to(query.device) if pre_rope else None,
-        float(layer.rope_attention_scaling), coded_mask, float(scaling),
+        float(layer.rope_attention_scaling), coded_mask, float(scaling), exact_keys, exact_values, exact_mask,
     )
-    exact = exact_attention_partial(query, exact_keys, exact_values, exact_mask, scaling)
-    return merge_partial_attention([exact, coded]).to(query.dtype)
+    return out.to(query.dtype)
