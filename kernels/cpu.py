@@ -102,28 +102,20 @@ def coded_attention_cpu(
         if exact_mask is not None:
             exact_scores += exact_mask.float().repeat(1, rows // query_length, 1)[:, None]
         scores = torch.cat([scores, exact_scores], dim=-1)
-    probabilities, lse = reference.softmax_with_lse(scores)
+    # Softmax left unnormalized: the value sums are linear in the weights, so dividing the few outputs by the
+    # total replaces dividing every weight (one pass fewer over [rows, tokens]).
+    weights, total, lse = reference.exp_weights(scores)
     if native is not None:
-        codebooks, stage_groups = value_codebooks.float().contiguous(), value_stage_groups.long().contiguous()
-        transform_dim = value_synthesis.shape[1]
-        if value_codes.shape[1] == 1 and kv_heads > 1:
-            # Joint-head codes are shared by every head: one pass over them with all heads' rows at once (the
-            # per-head scales go into the weights) instead of one pass per head.
-            weighted = probabilities[..., :tokens] * value_scales.float()[:, :, None, :]
-            weighted = weighted.reshape(batch, 1, kv_heads * rows, tokens)
-            z, weight_sum = native.value_transform_sums(weighted, value_codes.contiguous(), torch.ones(batch, 1, tokens),
-                                                        codebooks, stage_groups, transform_dim)
-            z, weight_sum = z.reshape(batch, kv_heads, rows, -1), weight_sum.reshape(batch, kv_heads, rows)
-        else:
-            z, weight_sum = native.value_transform_sums(probabilities, value_codes.contiguous(),
-                                                        value_scales.float().contiguous(), codebooks, stage_groups,
-                                                        transform_dim)
+        z, weight_sum = native.value_transform_sums(weights, value_codes.contiguous(), value_scales.float().contiguous(),
+                                                    value_codebooks.float().contiguous(),
+                                                    value_stage_groups.long().contiguous(), value_synthesis.shape[1])
         out = reference.values_from_transform_sums(z, weight_sum, value_mean, value_synthesis)
     else:
-        out = reference._histogram_values(probabilities[..., :tokens], value_codes, value_scales, value_mean,
+        out = reference._histogram_values(weights[..., :tokens], value_codes, value_scales, value_mean,
                                           value_synthesis, value_codebooks, value_stage_groups, chunk_tokens=CHUNK_TOKENS)
     if exact:
-        out += probabilities[..., tokens:] @ exact_values.float()
+        out += weights[..., tokens:] @ exact_values.float()
+    out /= total
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 

@@ -184,19 +184,31 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   return out;
 }
 
+// The rows of one pass over the codes: `heads` heads (several when their codes are shared) of `rows` query rows.
+// Row (h, m) of token t weighs probabilities[h * head_stride + m * row_stride + t] * scales[h * scale_stride + t].
+struct WeightSource {
+  const float* probabilities;
+  int64_t head_stride, row_stride;
+  const float* scales;
+  int64_t scale_stride, heads, rows;
+};
+
 // The histogram's query rows padded to a whole number of L-float vectors: one token then adds into a bin with
 // `padded / L` vector read-modify-writes instead of `rows` scalar ones (9 rows, joint-head values: one AVX-512 add).
 // Adds the tokens of stages [first_stage, last_stage); the weight sum only when asked.
 template <int64_t L>
-void histogram_stages(const float* probabilities, int64_t row_stride, const uint8_t* codes, const float* scales,
-                      float* histogram, float* weight_sum, int64_t rows, int64_t padded, int64_t tokens, int64_t stages,
-                      int64_t codebook_size, int64_t first_stage, int64_t last_stage) {
+void histogram_stages(const WeightSource& source, const uint8_t* codes, float* histogram, float* weight_sum,
+                      int64_t padded, int64_t tokens, int64_t stages, int64_t codebook_size, int64_t first_stage,
+                      int64_t last_stage) {
   typedef float VecL __attribute__((vector_size(4 * L), aligned(4)));
-  const int64_t chunks = padded / L;
+  const int64_t chunks = padded / L, rows = source.heads * source.rows;
   std::vector<float> weight(padded, 0.f);
   for (int64_t t = 0; t < tokens; ++t) {
-    const float scale = scales[t];
-    for (int64_t m = 0; m < rows; ++m) weight[m] = probabilities[m * row_stride + t] * scale;
+    for (int64_t h = 0; h < source.heads; ++h) {
+      const float scale = source.scales[h * source.scale_stride + t];
+      const float* p = source.probabilities + h * source.head_stride + t;
+      for (int64_t m = 0; m < source.rows; ++m) weight[h * source.rows + m] = p[m * source.row_stride] * scale;
+    }
     if (weight_sum != nullptr) {
       for (int64_t m = 0; m < rows; ++m) weight_sum[m] += weight[m];
     }
@@ -246,12 +258,13 @@ void stage_times_codebook_any(const float* counts, const float* words, float* z,
 int64_t histogram_lanes(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 16; }
 
 // probabilities [B, H, M, >= N] f32, any strides but unit stride within a row (only the first N columns are read: the
-// coded tokens of a softmax that may also span exact tokens); codes [B, H or 1, N, S] u8; scales [B, H, N] f32;
-// codebooks [S, K, g] f32; stage_groups [S] i64
+// coded tokens of a softmax that may also span exact tokens; they need not be normalized); codes [B, H or 1, N, S] u8
+// (1: joint-head codes, shared by every head); scales [B, H, N] f32; codebooks [S, K, g] f32; stage_groups [S] i64
 //   -> z [B, H, M, Dt] f32: sum over tokens of p * scale * (the token's transform-domain vector: codeword of each
 //      stage placed in its group), weight sum [B, H, M] f32 (sum of p * scale).
-// Per (batch, head) and range of stages, a histogram of p * scale per (stage, codeword) is built, then multiplied by
-// the codebooks: each codeword is read once per call instead of once per token.
+// Per pass over a code sequence and range of stages, a histogram of p * scale per (stage, codeword) is built, then
+// multiplied by the codebooks: each codeword is read once per call instead of once per token. Joint-head codes are
+// read once for all heads, with every head's rows in the histogram.
 std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probabilities, const at::Tensor& codes,
                                                         const at::Tensor& scales, const at::Tensor& codebooks,
                                                         const at::Tensor& stage_groups, int64_t transform_dim) {
@@ -265,8 +278,6 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   check(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous(), "codebooks must be contiguous float32");
   check(stage_groups.scalar_type() == at::kLong && stage_groups.is_contiguous(), "stage_groups must be int64");
   const int64_t batch = probabilities.size(0), heads = probabilities.size(1), rows = probabilities.size(2);
-  const int64_t batch_stride = probabilities.stride(0), head_stride = probabilities.stride(1);
-  const int64_t row_stride = probabilities.stride(2);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
   const int64_t codebook_size = codebooks.size(1), group_dim = codebooks.size(2);
   check(probabilities.size(3) >= tokens, "fewer probabilities than coded tokens");
@@ -278,16 +289,19 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   for (int64_t s = 0; s < stages; ++s) {
     check(groups[s] >= 0 && groups[s] < transform_dim / group_dim, "stage group out of range");
   }
+  // One pass per code sequence: per head, or (joint-head codes) one for all heads.
   const int64_t code_heads = codes.size(1);
+  const int64_t heads_per_pass = heads / code_heads, pass_rows = heads_per_pass * rows;
   const int64_t bins = stages * codebook_size;
-  const int64_t lanes = histogram_lanes(rows);
-  const int64_t padded = (rows + lanes - 1) / lanes * lanes;
+  const int64_t lanes = histogram_lanes(pass_rows);
+  const int64_t padded = (pass_rows + lanes - 1) / lanes * lanes;
   // Threads split the stages, not the tokens: each owns its bins outright, so there are no private histograms to
-  // zero and add up afterwards; only the small per-range sums [M, Dt] are added at the end.
+  // zero and add up afterwards; only the small per-range sums [rows, Dt] are added at the end.
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), stages));
   const int64_t range_stages = (stages + ranges - 1) / ranges;
+  const int64_t passes = batch * code_heads;
   // Bins outermost, query rows innermost (padded): one token's rows add into one cache line per stage.
-  auto histogram = at::empty({batch, heads, bins, padded}, probabilities.options());
+  auto histogram = at::empty({passes, bins, padded}, probabilities.options());
   auto partial = at::zeros({ranges, batch, heads, rows, transform_dim}, probabilities.options());
   auto weight_sum = at::zeros({batch, heads, rows}, probabilities.options());
   const float* pp = probabilities.data_ptr<float>();
@@ -297,28 +311,31 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   float* hp = histogram.data_ptr<float>();
   float* zp = partial.data_ptr<float>();
   float* wp = weight_sum.data_ptr<float>();
-  at::parallel_for(0, batch * heads * ranges, 1, [&](int64_t first, int64_t last) {
+  const auto run = lanes == 4 ? histogram_stages<4> : lanes == 8 ? histogram_stages<8> : histogram_stages<16>;
+  at::parallel_for(0, passes * ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
-      const int64_t bh = item / ranges, range = item % ranges;
+      const int64_t pass = item / ranges, range = item % ranges;
+      const int64_t b = pass / code_heads, first_head = (pass % code_heads) * heads_per_pass;
       const int64_t first_stage = std::min(stages, range * range_stages);
       const int64_t last_stage = std::min(stages, first_stage + range_stages);
-      float* head_histogram = hp + bh * bins * padded;
-      std::fill(head_histogram + first_stage * codebook_size * padded,
-                head_histogram + last_stage * codebook_size * padded, 0.f);
-      const uint8_t* head_codes = cp + ((bh / heads) * code_heads + (bh % heads) % code_heads) * tokens * stages;
-      const auto run = lanes == 4 ? histogram_stages<4> : lanes == 8 ? histogram_stages<8> : histogram_stages<16>;
-      run(pp + (bh / heads) * batch_stride + (bh % heads) * head_stride, row_stride, head_codes, sp + bh * tokens,
-          head_histogram, range == 0 ? wp + bh * rows : nullptr, rows, padded, tokens, stages, codebook_size,
-          first_stage, last_stage);
-      float* z = zp + (range * batch * heads + bh) * rows * transform_dim;
+      float* pass_histogram = hp + pass * bins * padded;
+      std::fill(pass_histogram + first_stage * codebook_size * padded,
+                pass_histogram + last_stage * codebook_size * padded, 0.f);
+      const WeightSource source{pp + b * probabilities.stride(0) + first_head * probabilities.stride(1),
+                                probabilities.stride(1), probabilities.stride(2),
+                                sp + (b * heads + first_head) * tokens, tokens, heads_per_pass, rows};
+      const int64_t first_row = (b * heads + first_head) * rows;  // of the [B, H, M] rows, this pass's are consecutive
+      run(source, cp + pass * tokens * stages, pass_histogram, range == 0 ? wp + first_row : nullptr, padded, tokens,
+          stages, codebook_size, first_stage, last_stage);
+      float* z = zp + (range * batch * heads * rows + first_row) * transform_dim;
       for (int64_t s = first_stage; s < last_stage; ++s) {
-        const float* stage_counts = head_histogram + s * codebook_size * padded;
+        const float* stage_counts = pass_histogram + s * codebook_size * padded;
         const float* words = bp + s * codebook_size * group_dim;
         float* zs = z + groups[s] * group_dim;
         if (group_dim == 8) {
-          stage_times_codebook<8>(stage_counts, words, zs, rows, padded, codebook_size, transform_dim);
+          stage_times_codebook<8>(stage_counts, words, zs, pass_rows, padded, codebook_size, transform_dim);
         } else {
-          stage_times_codebook_any(stage_counts, words, zs, rows, padded, codebook_size, transform_dim, group_dim);
+          stage_times_codebook_any(stage_counts, words, zs, pass_rows, padded, codebook_size, transform_dim, group_dim);
         }
       }
     }

@@ -258,12 +258,20 @@ def softmax_with_lse(scores: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor,
     gives probabilities 0 and lse -inf, so it drops out of a merge. Written as max / exp / sum rather than
     ``torch.logsumexp`` followed by ``exp(scores - lse)``: half the passes over the scores, which matters on CPU,
     where this runs for every layer of every decode step."""
+    weights, total, lse = exp_weights(scores, dim)
+    return weights.div_(total), lse
+
+
+def exp_weights(scores: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unnormalized softmax: ``exp(scores - max)``, the totals along ``dim`` (kept, at least the smallest normal
+    float, so dividing by them is safe) and the log-sum-exp (``dim`` removed). For outputs linear in the weights,
+    dividing the outputs by the totals saves the pass that normalizes every weight."""
     peak = scores.amax(dim, keepdim=True)
     peak.masked_fill_(peak == -math.inf, 0.0)
     weights = (scores - peak).exp_()
     total = weights.sum(dim, keepdim=True)
     lse = (total.log() + peak).squeeze(dim)
-    return weights.div_(total.clamp_min_(torch.finfo(weights.dtype).tiny)), lse
+    return weights, total.clamp_min_(torch.finfo(weights.dtype).tiny), lse
 
 
 def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
