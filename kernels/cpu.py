@@ -35,12 +35,19 @@ def coded_attention_cpu(
     key_mean, key_synthesis, key_codebooks, key_stage_groups,
     value_mean, value_synthesis, value_codebooks, value_stage_groups,
     key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
-    exact_keys=None, exact_values=None, exact_mask=None,
+    exact_keys=None, exact_values=None, exact_mask=None, key_scale_levels=None, value_scale_levels=None,
 ):
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens, key_stages = key_scales.shape[1], key_codes.shape[2], key_codes.shape[3]
     rows = (query_heads // kv_heads) * query_length
-    if rows > reference.LOOKUP_MAX_ROWS or tokens == 0:
+    native = native_ops()
+    use_reference = rows > reference.LOOKUP_MAX_ROWS or tokens == 0
+    # 8-bit scales stay level indices only where the compiled loops look them up (pre-RoPE keys; values)
+    if key_scale_levels is not None and (use_reference or native is None or positions is None):
+        key_scales, key_scale_levels = reference.scale_values_from_levels(key_scale_levels, key_scales), None
+    if value_scale_levels is not None and (use_reference or native is None):
+        value_scales, value_scale_levels = reference.scale_values_from_levels(value_scale_levels, value_scales), None
+    if use_reference:
         coded = reference.coded_attention_reference(
             query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
             key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, positions, inv_freq,
@@ -49,8 +56,8 @@ def coded_attention_cpu(
         return reference.join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling)
     size = key_codebooks.shape[1]
     q = query.float().reshape(batch, kv_heads, rows, dim)
-    key_scales = key_scales.float()
-    native = native_ops()
+    if key_scale_levels is None:
+        key_scales = key_scales.float()
 
     if positions is not None and native is not None:
         if key_table is None:
@@ -58,7 +65,8 @@ def coded_attention_cpu(
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
         scores = native.prerope_scores(
-            q.contiguous(), key_codes.contiguous(), key_scales.contiguous(), key_table.float().contiguous(),
+            q.contiguous(), key_codes.contiguous(), key_scales.contiguous(), key_scale_levels,
+            key_table.float().contiguous(),
             key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), size,
             float(scaling),
         )
@@ -106,8 +114,10 @@ def coded_attention_cpu(
     # total replaces dividing every weight (one pass fewer over [rows, tokens]).
     weights, total, lse = reference.exp_weights(scores)
     if native is not None:
-        z, weight_sum = native.value_transform_sums(weights, value_codes.contiguous(), value_scales.float().contiguous(),
-                                                    value_codebooks.float().contiguous(),
+        if value_scale_levels is None:
+            value_scales = value_scales.float()
+        z, weight_sum = native.value_transform_sums(weights, value_codes.contiguous(), value_scales.contiguous(),
+                                                    value_scale_levels, value_codebooks.float().contiguous(),
                                                     value_stage_groups.long().contiguous(), value_synthesis.shape[1])
         out = reference.values_from_transform_sums(z, weight_sum, value_mean, value_synthesis)
     else:

@@ -38,9 +38,18 @@ inline float horizontal_sum(Vec16 v) {
   return total;
 }
 
+// The per-token scales of one (batch, head): float values, or 8-bit indices into the head's table of levels (how the
+// cache stores them; looking them up here saves a gather and an index conversion per layer and step).
+struct HeadScales {
+  const float* values;  // nullptr: use index + levels
+  const uint8_t* index;
+  const float* levels;
+  float operator[](int64_t t) const { return values != nullptr ? values[t] : levels[index[t]]; }
+};
+
 // head_dim a multiple of 32 (both rotary halves whole vectors), known at compile time.
 template <int64_t kDim>
-void prerope_scores_block_vec(const float* q, const uint8_t* codes, const float* scales, const float* table,
+void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                               const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                               int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                               float scaling) {
@@ -87,7 +96,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const float*
 }
 
 // Any even head_dim up to kMaxHeadDim.
-void prerope_scores_block(const float* q, const uint8_t* codes, const float* scales, const float* table,
+void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                           const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                           int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                           float scaling, int64_t dim) {
@@ -118,16 +127,42 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const float* sca
 
 void check(bool condition, const char* message) { TORCH_CHECK(condition, "hf_kvcodecs cpu_native: ", message); }
 
-// q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32;
+// scales [B, H, N]: float32 values, or with scale_levels [H, 256] f32, uint8 level indices.
+void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& scale_levels, int64_t batch,
+                  int64_t heads, int64_t tokens) {
+  check(scales.dim() == 3 && scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens &&
+            scales.is_contiguous() && scales.device().is_cpu(),
+        "scales must be contiguous [batch, heads, tokens] on CPU");
+  if (scale_levels.has_value()) {
+    const at::Tensor& levels = *scale_levels;
+    check(scales.scalar_type() == at::kByte, "with scale_levels, scales must be uint8 level indices");
+    check(levels.scalar_type() == at::kFloat && levels.is_contiguous() && levels.dim() == 2 &&
+              levels.size(0) == heads && levels.size(1) >= 256,
+          "scale_levels must be contiguous float32 [heads, 256]");
+  } else {
+    check(scales.scalar_type() == at::kFloat, "scales must be float32 (or uint8 with scale_levels)");
+  }
+}
+
+HeadScales head_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& scale_levels, int64_t b, int64_t h) {
+  const int64_t offset = (b * scales.size(1) + h) * scales.size(2);
+  if (!scale_levels.has_value()) return {scales.const_data_ptr<float>() + offset, nullptr, nullptr};
+  return {nullptr, scales.const_data_ptr<uint8_t>() + offset,
+          scale_levels->const_data_ptr<float>() + h * scale_levels->size(1)};
+}
+
+// q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
+// (or u8 with scale_levels [H, 256] f32);
 // table [H, R, D] f32 (R >= S * K);
 // mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores [B, H, M, N] f32
 at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
-                          const at::Tensor& table, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
-                          int64_t codebook_size, double scaling) {
+                          const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
+                          const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size,
+                          double scaling) {
   check(q.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && table.dim() == 3 && mean.dim() == 2 &&
             cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks");
-  for (const auto* t : {&q, &scales, &mean, &cos, &sin}) {
+  for (const auto* t : {&q, &mean, &cos, &sin}) {
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
           "float tensors must be contiguous float32 on CPU");
   }
@@ -139,7 +174,7 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1),
         "codes do not match the query's batch and heads");
   const int64_t code_heads = codes.size(1);
-  check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match codes");
+  check_scales(scales, scale_levels, batch, heads, tokens);
   check(table.size(0) == heads && table.size(2) == dim && table.size(1) >= stages * codebook_size,
         "key table too small for these codes");
   check(mean.size(0) == heads && mean.size(1) == dim, "mean does not match heads/head_dim");
@@ -149,7 +184,6 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
   const float* qp = q.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
   const float* mp = mean.data_ptr<float>();
   const float* cosp = cos.data_ptr<float>();
   const float* sinp = sin.data_ptr<float>();
@@ -163,7 +197,7 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
       const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
       const float* qi = qp + bh * rows * dim;
       const uint8_t* ci = cp + (b * code_heads + h % code_heads) * tokens * stages;
-      const float* si = sp + bh * tokens;
+      const HeadScales si = head_scales(scales, scale_levels, b, h);
       const float* mi = mp + h * dim;
       const float* cosi = cosp + b * tokens * dim;
       const float* sini = sinp + b * tokens * dim;
@@ -184,13 +218,14 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   return out;
 }
 
-// The rows of one pass over the codes: `heads` heads (several when their codes are shared) of `rows` query rows.
-// Row (h, m) of token t weighs probabilities[h * head_stride + m * row_stride + t] * scales[h * scale_stride + t].
+// The rows of one pass over the codes: `heads` heads (several when their codes are shared, at most kMaxPassHeads) of
+// `rows` query rows. Row (h, m) of token t weighs probabilities[h * head_stride + m * row_stride + t] * scales[h][t].
+constexpr int64_t kMaxPassHeads = 64;
 struct WeightSource {
   const float* probabilities;
   int64_t head_stride, row_stride;
-  const float* scales;
-  int64_t scale_stride, heads, rows;
+  HeadScales scales[kMaxPassHeads];
+  int64_t heads, rows;
 };
 
 // The histogram's query rows padded to a whole number of L-float vectors: one token then adds into a bin with
@@ -205,7 +240,7 @@ void histogram_stages(const WeightSource& source, const uint8_t* codes, float* h
   std::vector<float> weight(padded, 0.f);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < source.heads; ++h) {
-      const float scale = source.scales[h * source.scale_stride + t];
+      const float scale = source.scales[h][t];
       const float* p = source.probabilities + h * source.head_stride + t;
       for (int64_t m = 0; m < source.rows; ++m) weight[h * source.rows + m] = p[m * source.row_stride] * scale;
     }
@@ -259,21 +294,23 @@ int64_t histogram_lanes(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 1
 
 // probabilities [B, H, M, >= N] f32, any strides but unit stride within a row (only the first N columns are read: the
 // coded tokens of a softmax that may also span exact tokens; they need not be normalized); codes [B, H or 1, N, S] u8
-// (1: joint-head codes, shared by every head); scales [B, H, N] f32; codebooks [S, K, g] f32; stage_groups [S] i64
+// (1: joint-head codes, shared by every head); scales [B, H, N] f32 (or u8 with scale_levels [H, 256] f32);
+// codebooks [S, K, g] f32; stage_groups [S] i64
 //   -> z [B, H, M, Dt] f32: sum over tokens of p * scale * (the token's transform-domain vector: codeword of each
 //      stage placed in its group), weight sum [B, H, M] f32 (sum of p * scale).
 // Per pass over a code sequence and range of stages, a histogram of p * scale per (stage, codeword) is built, then
 // multiplied by the codebooks: each codeword is read once per call instead of once per token. Joint-head codes are
 // read once for all heads, with every head's rows in the histogram.
 std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probabilities, const at::Tensor& codes,
-                                                        const at::Tensor& scales, const at::Tensor& codebooks,
-                                                        const at::Tensor& stage_groups, int64_t transform_dim) {
+                                                        const at::Tensor& scales,
+                                                        const c10::optional<at::Tensor>& scale_levels,
+                                                        const at::Tensor& codebooks, const at::Tensor& stage_groups,
+                                                        int64_t transform_dim) {
   check(probabilities.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && codebooks.dim() == 3 &&
             stage_groups.dim() == 1,
         "unexpected ranks");
   check(probabilities.scalar_type() == at::kFloat && (probabilities.stride(3) == 1 || probabilities.size(3) <= 1),
         "probabilities must be float32 with contiguous rows");
-  check(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "scales must be contiguous float32");
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   check(codebooks.scalar_type() == at::kFloat && codebooks.is_contiguous(), "codebooks must be contiguous float32");
   check(stage_groups.scalar_type() == at::kLong && stage_groups.is_contiguous(), "stage_groups must be int64");
@@ -282,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   const int64_t codebook_size = codebooks.size(1), group_dim = codebooks.size(2);
   check(probabilities.size(3) >= tokens, "fewer probabilities than coded tokens");
   check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1), "codes do not match");
-  check(scales.size(0) == batch && scales.size(1) == heads && scales.size(2) == tokens, "scales do not match");
+  check_scales(scales, scale_levels, batch, heads, tokens);
   check(codebooks.size(0) >= stages && stage_groups.size(0) >= stages, "fewer codebooks than code stages");
   check(group_dim >= 1 && transform_dim % group_dim == 0, "group_dim must divide transform_dim");
   const int64_t* groups = stage_groups.data_ptr<int64_t>();
@@ -292,6 +329,7 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   // One pass per code sequence: per head, or (joint-head codes) one for all heads.
   const int64_t code_heads = codes.size(1);
   const int64_t heads_per_pass = heads / code_heads, pass_rows = heads_per_pass * rows;
+  check(heads_per_pass <= kMaxPassHeads, "too many heads share one code sequence (at most 64)");
   const int64_t bins = stages * codebook_size;
   const int64_t lanes = histogram_lanes(pass_rows);
   const int64_t padded = (pass_rows + lanes - 1) / lanes * lanes;
@@ -306,7 +344,6 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   auto weight_sum = at::zeros({batch, heads, rows}, probabilities.options());
   const float* pp = probabilities.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
   const float* bp = codebooks.data_ptr<float>();
   float* hp = histogram.data_ptr<float>();
   float* zp = partial.data_ptr<float>();
@@ -321,9 +358,9 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
       float* pass_histogram = hp + pass * bins * padded;
       std::fill(pass_histogram + first_stage * codebook_size * padded,
                 pass_histogram + last_stage * codebook_size * padded, 0.f);
-      const WeightSource source{pp + b * probabilities.stride(0) + first_head * probabilities.stride(1),
-                                probabilities.stride(1), probabilities.stride(2),
-                                sp + (b * heads + first_head) * tokens, tokens, heads_per_pass, rows};
+      WeightSource source{pp + b * probabilities.stride(0) + first_head * probabilities.stride(1),
+                          probabilities.stride(1), probabilities.stride(2), {}, heads_per_pass, rows};
+      for (int64_t h = 0; h < heads_per_pass; ++h) source.scales[h] = head_scales(scales, scale_levels, b, first_head + h);
       const int64_t first_row = (b * heads + first_head) * rows;  // of the [B, H, M] rows, this pass's are consecutive
       run(source, cp + pass * tokens * stages, pass_histogram, range == 0 ? wp + first_row : nullptr, padded, tokens,
           stages, codebook_size, first_stage, last_stage);
@@ -461,10 +498,10 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
 }  // namespace
 
 TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
-  m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor table, Tensor mean, Tensor cos, Tensor sin, "
-        "int codebook_size, float scaling) -> Tensor");
-  m.def("value_transform_sums(Tensor probabilities, Tensor codes, Tensor scales, Tensor codebooks, "
-        "Tensor stage_groups, int transform_dim) -> (Tensor, Tensor)");
+  m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor? scale_levels, Tensor table, Tensor mean, "
+        "Tensor cos, Tensor sin, int codebook_size, float scaling) -> Tensor");
+  m.def("value_transform_sums(Tensor probabilities, Tensor codes, Tensor scales, Tensor? scale_levels, "
+        "Tensor codebooks, Tensor stage_groups, int transform_dim) -> (Tensor, Tensor)");
   m.def("residual_encode_beam(Tensor z, Tensor codebooks, Tensor stage_groups, int beam_width) -> Tensor");
 }
 

@@ -71,12 +71,18 @@ def coded_attention(
     exact_keys: Optional[Tensor] = None,
     exact_values: Optional[Tensor] = None,
     exact_mask: Optional[Tensor] = None,
+    key_scale_levels: Optional[Tensor] = None,
+    value_scale_levels: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention over the coded region: (output ``[B, Hq, Lq, D]`` fp32, log-sum-exp ``[B, Hq, Lq]`` fp32).
 
     With ``exact_keys``/``exact_values`` (``[B, Hkv, T, D]``, RoPE applied, any float dtype; ``exact_mask``
     ``[B, Lq, T]`` additive or None) the attention spans the coded region and those tokens with one softmax, and the
     output and log-sum-exp are over both: the CPU implementation then needs no separate merge.
+
+    With ``key_scale_levels``/``value_scale_levels`` (``[Hkv, 256]`` fp32) the matching scales are the cache's 8-bit
+    level indices (uint8) rather than values: the compiled CPU loops look them up per token; the other
+    implementations convert them first.
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
@@ -87,19 +93,24 @@ def coded_attention(
     return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
                       key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,
                       rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling, exact_keys,
-                      exact_values, exact_mask)
+                      exact_values, exact_mask, key_scale_levels, value_scale_levels)
 
 
 _PRECOMPUTED = slice(13, 16)  # key_table, rotary_cos, rotary_sin
-_CODED_ARGUMENTS = 21  # then exact_keys, exact_values, exact_mask
+_CODED_ARGUMENTS = 21  # then exact_keys, exact_values, exact_mask, key_scale_levels, value_scale_levels
+_KEY_SCALES, _VALUE_SCALES = 2, 4
 
 
 def _split(args):
-    """(the coded region's arguments without the precomputed inputs, the exact tokens' (keys, values, mask))."""
+    """(the coded region's arguments without the precomputed inputs and with scale values, the exact tokens' (keys,
+    values, mask))."""
     arguments = list(args[:_CODED_ARGUMENTS])
+    extra = (list(args[_CODED_ARGUMENTS:]) + [None] * 5)[:5]
+    for position, levels in ((_KEY_SCALES, extra[3]), (_VALUE_SCALES, extra[4])):
+        if levels is not None:
+            arguments[position] = reference.scale_values_from_levels(levels, arguments[position])
     del arguments[_PRECOMPUTED]
-    exact = (list(args[_CODED_ARGUMENTS:]) + [None, None, None])[:3]
-    return arguments, exact
+    return arguments, extra[:3]
 
 
 def _joined(coded_attention_implementation, args):

@@ -281,6 +281,12 @@ def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> t
     return sum(w[..., None] * out for w, (out, _) in zip(weights, parts)), lse
 
 
+def scale_values_from_levels(levels: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """``levels`` ``[H, L]``, ``stored`` ``[..., H, N]`` level indices -> ``[..., H, N]`` float. A gather, not
+    advanced indexing: it was 5x slower as ``levels[heads, stored]``."""
+    return levels.expand(*stored.shape[:-2], -1, -1).gather(-1, stored.long())
+
+
 def join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling):
     """The coded region's (output, lse) joined with attention over exact keys/values ``[B, Hkv, T, D]`` (the
     cache's sinks and window): what ``coded_attention`` returns when it is given them."""

@@ -223,6 +223,29 @@ def test_exact_tokens_join_the_coded_attention_in_one_softmax(shape, rope, exact
     torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("rope", [True, False], ids=["keys-pre-rope", "keys-post-rope"])
+def test_scale_level_indices_give_the_same_attention_as_scale_values(rope):
+    """The cache passes 8-bit scales as level indices plus a table; every implementation must treat them exactly as
+    the looked-up values (the compiled loops look them up per token, the others convert first)."""
+    problem = make_problem(rope=rope, **SHAPES[6])
+    generator = torch.Generator().manual_seed(3)
+    kv_heads = problem["key_scales"].shape[1]
+    levels = {name: torch.rand(kv_heads, 256, generator=generator) + 0.5 for name in ("key", "value")}
+    index = {name: torch.randint(0, 256, problem[f"{name}_scales"].shape, generator=generator, dtype=torch.uint8)
+             for name in ("key", "value")}
+    by_value = op_arguments(problem)
+    by_value[2], by_value[4] = (reference.scale_values_from_levels(levels[n], index[n]) for n in ("key", "value"))
+    by_index = op_arguments(problem)
+    by_index[2], by_index[4] = index["key"], index["value"]
+    by_index += [None, None, None, levels["key"], levels["value"]]
+    for name, run in {"cpu-native": cpu_with("auto"), "cpu-pytorch": cpu_with("pytorch")}.items():
+        expected = run(*(by_value[:13] + by_value[16:]))
+        got = run(*(by_index[:13] + by_index[16:]))
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
+    assert torch.equal(ops._reference(*by_index)[0], ops._reference(*by_value)[0])
+    torch.library.opcheck(ops.coded_attention, by_index, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_fully_masked_rows_give_zero_output_and_minus_infinite_lse():
     problem = make_problem(rope=True)
     problem["mask"][1] = -math.inf
@@ -400,13 +423,22 @@ def test_compiled_value_sums_match_scatter_add(rows, shared_codes, threads):
     torch.set_num_threads(threads)
     try:
         z, weight_sum = ops_native.value_transform_sums(probabilities, codes.to(torch.uint8).contiguous(), scales,
-                                                        codebooks, stage_groups, groups * group_dim)
+                                                        None, codebooks, stage_groups, groups * group_dim)
+        # 8-bit scales: level indices looked up per token give the same sums as their values
+        levels = torch.rand(heads, 256, generator=generator) + 0.5
+        index = torch.randint(0, 256, (batch, heads, tokens), generator=generator, dtype=torch.uint8)
+        by_index = ops_native.value_transform_sums(probabilities, codes.to(torch.uint8).contiguous(), index, levels,
+                                                   codebooks, stage_groups, groups * group_dim)
+        by_value = ops_native.value_transform_sums(probabilities, codes.to(torch.uint8).contiguous(),
+                                                   reference.scale_values_from_levels(levels, index), None, codebooks,
+                                                   stage_groups, groups * group_dim)
     finally:
         torch.set_num_threads(previous)
     assert z.shape == (batch, heads, rows, groups * group_dim)
     # fp32 sums of ~300 terms of size ~1 against float64: a few ulps of the largest entry
     torch.testing.assert_close(z.double(), expected.reshape(z.shape), rtol=1e-5, atol=1e-6 * expected.abs().max().item())
     torch.testing.assert_close(weight_sum.double(), weights.double().sum(-1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(by_index[0], by_value[0]) and torch.equal(by_index[1], by_value[1])
 
 
 @pytest.mark.parametrize("dim", [-1, 0])

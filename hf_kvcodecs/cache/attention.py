@@ -61,13 +61,21 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     pre_rope = layer.key_space == "pre_rope"
     on_cpu = query.device.type == "cpu"
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
+    key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
+    value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
     out, _ = coded_attention(
-        query, layer.key_codes, key_codec.scale_values(layer.key_scales), layer.value_codes,
-        value_codec.scale_values(layer.value_scales),
-        *key_codec.attention_operands(), *value_codec.attention_operands(),
+        query, layer.key_codes, key_scales, layer.value_codes, value_scales, *key_codec.attention_operands(), *value_codec.attention_operands(),
         key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
         layer.rope_inv_freq.to(query.device) if pre_rope else None,
         float(layer.rope_attention_scaling), coded_mask, float(scaling), exact_keys, exact_values, exact_mask,
+        key_levels, value_levels,
     )
     return out.to(query.dtype)
+
+
+def _scales_and_levels(codec, stored: torch.Tensor, device):
+    """(scales as the op takes them, their level table or None): 8-bit scales go as level indices with the table,
+    which the compiled CPU loops read per token instead of a per-step lookup of every scale."""
+    levels = codec.scale_level_table(device) if stored.dtype == torch.uint8 else None
+    return (stored, levels) if levels is not None else (codec.scale_values(stored), None)

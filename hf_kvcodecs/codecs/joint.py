@@ -27,14 +27,13 @@ from .residual import (
     LOG_SCALE_MARGIN,
     SCALE_BIT_CHOICES,
     TransformResidualVQ,
-    _lookup_levels,
     _rms,
+    cached_scale_levels,
     check_encoder_options,
-    dequantize_scales,
     fit_transform_residual_vq,
     quantize_scales,
     refit_gains,
-    scale_levels,
+    scale_values,
 )
 
 CODEC_LAYOUTS = ("per_head", "joint_heads")
@@ -114,12 +113,11 @@ class JointHeadResidualVQ:
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``)."""
-        if stored.dtype != torch.uint8 or self.log_scale_range is None:
-            return dequantize_scales(stored, self.log_scale_range)
-        source = self._table_source or self
-        if source._levels is None or source._levels.device != stored.device:
-            source._levels = scale_levels(source.log_scale_range.to(stored.device))
-        return _lookup_levels(source._levels, stored)
+        return scale_values(self, stored)
+
+    def scale_level_table(self, device) -> torch.Tensor | None:
+        """``[H, 256]`` values of the 8-bit per-head scale levels on ``device`` (None for fp16 scales)."""
+        return cached_scale_levels(self, device)
 
     def truncated(self, num_stages: int) -> "JointHeadResidualVQ":
         """The same codec at a lower rate: the first ``num_stages`` stages of the shape code."""

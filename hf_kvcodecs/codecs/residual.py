@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import residual_encode
 from ..kernels.ops import MAX_BEAM_WIDTH
+from ..kernels.reference import scale_values_from_levels as _lookup_levels
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 
 FP16_SCALE_BITS = 16
@@ -106,12 +107,11 @@ class TransformResidualVQ:
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""
-        if stored.dtype != torch.uint8 or self.log_scale_range is None:
-            return dequantize_scales(stored, self.log_scale_range)
-        source = self._table_source or self  # prefixes share the levels of the codec they were cut from
-        if source._levels is None or source._levels.device != stored.device:
-            source._levels = scale_levels(source.log_scale_range.to(stored.device))  # per decode step otherwise
-        return _lookup_levels(source._levels, stored)
+        return scale_values(self, stored)
+
+    def scale_level_table(self, device) -> torch.Tensor | None:
+        """``[H, 256]`` values of the 8-bit scale levels on ``device`` (None for fp16 scales); built once."""
+        return cached_scale_levels(self, device)
 
     def truncated(self, num_stages: int) -> "TransformResidualVQ":
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
@@ -332,10 +332,21 @@ def scale_levels(log_scale_range: torch.Tensor) -> torch.Tensor:
     return torch.exp2(low + (high - low) * steps)
 
 
-def _lookup_levels(levels: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
-    """``levels`` ``[H, L]``, ``stored`` ``[..., H, N]`` level indices -> ``[..., H, N]``. A gather, not advanced
-    indexing: it runs for every layer of every decode step, and was 5x slower as ``levels[heads, stored]``."""
-    return levels.expand(*stored.shape[:-2], -1, -1).gather(-1, stored.long())
+def cached_scale_levels(codec, device) -> torch.Tensor | None:
+    """A codec's ``[H, 256]`` scale levels on ``device``, kept on the codec (they are needed at every decode step;
+    prefixes share the levels of the codec they were cut from); None when its scales are fp16."""
+    if codec.log_scale_range is None:
+        return None
+    source = codec._table_source or codec
+    if source._levels is None or source._levels.device != torch.device(device):
+        source._levels = scale_levels(source.log_scale_range.to(device))
+    return source._levels
+
+
+def scale_values(codec, stored: torch.Tensor) -> torch.Tensor:
+    """Stored scales ``[..., H, N]`` of ``codec`` as numbers."""
+    levels = cached_scale_levels(codec, stored.device) if stored.dtype == torch.uint8 else None
+    return dequantize_scales(stored, codec.log_scale_range) if levels is None else _lookup_levels(levels, stored)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
