@@ -64,7 +64,8 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
     out, _ = coded_attention(
-        query, layer.key_codes, key_scales, layer.value_codes, value_scales, *key_codec.attention_operands(), *value_codec.attention_operands(),
+        query, layer.key_codes, key_scales, layer.value_codes, value_scales,
+        *key_codec.attention_operands(), *value_codec.attention_operands(),
         key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
         layer.rope_inv_freq.to(query.device) if pre_rope else None,

@@ -33,7 +33,7 @@ from .residual import (
     fit_transform_residual_vq,
     quantize_scales,
     refit_gains,
-    scale_values,
+    stored_scale_values,
 )
 
 CODEC_LAYOUTS = ("per_head", "joint_heads")
@@ -113,7 +113,7 @@ class JointHeadResidualVQ:
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``)."""
-        return scale_values(self, stored)
+        return stored_scale_values(self, stored)
 
     def scale_level_table(self, device) -> torch.Tensor | None:
         """``[H, 256]`` values of the 8-bit per-head scale levels on ``device`` (None for fp16 scales)."""

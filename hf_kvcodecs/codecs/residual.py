@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..kernels import residual_encode
 from ..kernels.ops import MAX_BEAM_WIDTH
-from ..kernels.reference import scale_values_from_levels as _lookup_levels
+from ..kernels.reference import scale_values_from_levels
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 
 FP16_SCALE_BITS = 16
@@ -107,7 +107,7 @@ class TransformResidualVQ:
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""
-        return scale_values(self, stored)
+        return stored_scale_values(self, stored)
 
     def scale_level_table(self, device) -> torch.Tensor | None:
         """``[H, 256]`` values of the 8-bit scale levels on ``device`` (None for fp16 scales); built once."""
@@ -322,7 +322,7 @@ def dequantize_scales(stored: torch.Tensor, log_scale_range: torch.Tensor | None
         return stored
     if log_scale_range is None:
         raise ValueError("8-bit scales need the codec's log_scale_range.")
-    return _lookup_levels(scale_levels(log_scale_range.to(stored.device)), stored)
+    return scale_values_from_levels(scale_levels(log_scale_range.to(stored.device)), stored)
 
 
 def scale_levels(log_scale_range: torch.Tensor) -> torch.Tensor:
@@ -343,10 +343,10 @@ def cached_scale_levels(codec, device) -> torch.Tensor | None:
     return source._levels
 
 
-def scale_values(codec, stored: torch.Tensor) -> torch.Tensor:
-    """Stored scales ``[..., H, N]`` of ``codec`` as numbers."""
+def stored_scale_values(codec, stored: torch.Tensor) -> torch.Tensor:
+    """Stored scales ``[..., H, N]`` of ``codec`` (either codec class) as numbers."""
     levels = cached_scale_levels(codec, stored.device) if stored.dtype == torch.uint8 else None
-    return dequantize_scales(stored, codec.log_scale_range) if levels is None else _lookup_levels(levels, stored)
+    return dequantize_scales(stored, codec.log_scale_range) if levels is None else scale_values_from_levels(levels, stored)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
