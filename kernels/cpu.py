@@ -102,14 +102,11 @@ def coded_attention_cpu(
             torch.mul(q @ keys.transpose(-1, -2), key_scales[:, :, None, start:end], out=scores[..., start:end])
     if positions is None or native is None:
         scores *= scaling  # (the compiled loops apply it per token)
-    if mask is not None:
-        scores += mask.float().repeat(1, rows // query_length, 1)[:, None]
+    group_count = rows // query_length
+    reference.add_mask(scores, mask, group_count)
     exact = exact_keys is not None and exact_keys.shape[-2] > 0
     if exact:  # the exact tokens' scores join the coded ones: one softmax, no merge afterwards
-        exact_scores = (q @ exact_keys.float().transpose(-1, -2)).mul_(scaling)
-        if exact_mask is not None:
-            exact_scores += exact_mask.float().repeat(1, rows // query_length, 1)[:, None]
-        scores = torch.cat([scores, exact_scores], dim=-1)
+        scores = torch.cat([scores, reference.exact_scores(q, exact_keys, exact_mask, scaling, group_count)], dim=-1)
     # Softmax left unnormalized: the value sums are linear in the weights, so dividing the few outputs by the
     # total replaces dividing every weight (one pass fewer over [rows, tokens]).
     weights, total, lse = reference.exp_weights(scores)

@@ -184,8 +184,7 @@ def coded_attention_reference(
                 keys = _rotate(keys, cos[:, None], sin[:, None])
             scores[..., start:end] = q @ keys.transpose(-1, -2)
     scores *= scaling
-    if mask is not None:
-        scores += mask.float().repeat(1, group_count, 1)[:, None]  # row m = g * Lq + l uses mask row l
+    add_mask(scores, mask, group_count)
     probabilities, lse = softmax_with_lse(scores)  # lse [B, Hkv, M]
     if lookup:
         out = _histogram_values(probabilities, value_codes, value_scales, value_mean, value_synthesis, value_codebooks,
@@ -295,6 +294,19 @@ def join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, sca
     return merge_partial_attention([exact_attention_partial(query, exact_keys, exact_values, exact_mask, scaling), coded])
 
 
+def add_mask(scores: torch.Tensor, mask: torch.Tensor | None, group_count: int) -> torch.Tensor:
+    """Adds an additive mask ``[B, Lq, N]`` to scores ``[B, Hkv, group_count * Lq, N]`` in place: query row
+    ``m = g * Lq + l`` (query head ``g`` of the KV head's group, position ``l``) uses mask row ``l``."""
+    if mask is not None:
+        scores += mask.float().repeat(1, group_count, 1)[:, None]
+    return scores
+
+
+def exact_scores(q, keys, mask, scaling, group_count):
+    """Scaled, masked scores of grouped queries ``[B, Hkv, M, D]`` (fp32) against exact keys ``[B, Hkv, T, D]``."""
+    return add_mask((q @ keys.float().transpose(-1, -2)).mul_(scaling), mask, group_count)
+
+
 def exact_attention_partial(query, keys, values, mask, scaling):
     """Attention over exact keys/values ``[B, Hkv, T, D]`` -> (output ``[B, Hq, Lq, D]`` fp32, lse ``[B, Hq, Lq]``)."""
     batch, query_heads, query_length, dim = query.shape
@@ -304,9 +316,6 @@ def exact_attention_partial(query, keys, values, mask, scaling):
         return (torch.zeros(batch, query_heads, query_length, dim, device=query.device),
                 torch.full((batch, query_heads, query_length), -math.inf, device=query.device))
     q = query.float().reshape(batch, kv_heads, group_count * query_length, dim)
-    scores = (q @ keys.float().transpose(-1, -2)) * scaling
-    if mask is not None:
-        scores += mask.float().repeat(1, group_count, 1)[:, None]
-    probabilities, lse = softmax_with_lse(scores)
+    probabilities, lse = softmax_with_lse(exact_scores(q, keys, mask, scaling, group_count))
     out = probabilities @ values.float()
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
