@@ -77,19 +77,23 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
         codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress,
                                                    learner=DEFAULT_LEARNER, bits=bits, key_space=key_space, **layout)
         paths = ("dequantize", "codes") if key_space == "pre_rope" and not layout else ("codes",)
-        variants = [(path, DEFAULT_BEAM_WIDTH) for path in paths]
-        if key_space == "pre_rope" and not layout:  # what the encoder's beam search costs at prefill and buys in quality
-            variants.append(("codes", 1))
-        for path, beam_width in variants:
+        variants = [(path, DEFAULT_BEAM_WIDTH, "fp32") for path in paths]
+        if key_space == "pre_rope" and not layout:
+            variants.append(("codes", 1, "fp32"))  # what the encoder's beam search costs at prefill and buys in quality
+            # the same cache on the bf16 copy of the model: a same-dtype comparison with bf16 DynamicCache
+            variants.append(("codes", DEFAULT_BEAM_WIDTH, "bf16"))
+        for path, beam_width, precision in variants:
             how = {"dequantize": "dequantize + SDPA",
                    "codes": "code-reading, " + ("keys rebuilt from codes" if key_space == "pre_rope" else "lookup tables")}[path]
             if beam_width != DEFAULT_BEAM_WIDTH:
                 how += ", greedy encoder" if beam_width == 1 else f", {beam_width}-beam encoder"
+            if precision != "fp32":
+                how += f", {precision} model"
             methods.append(DecodeMethod(
                 f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}{layout_description}", "gsrq",
                 lambda m, c=codebooks, p=path, w=beam_width: GSRQCache(m.config, codebooks=c, bits=bits, attention=p,
                                                                        beam_width=w),
-                expected_path=path,
+                precision=precision, expected_path=path,
                 extra={"codebooks": str(directory), "key_space": key_space, "attention": path, "beam_width": beam_width,
                        "key_layout": codebooks.layout("keys"), "value_layout": codebooks.layout("values"),
                        "holdout_relative_mse": codebooks.calibration["holdout_mean"]},
