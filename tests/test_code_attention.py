@@ -79,6 +79,32 @@ def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir)
     assert caches["codes"].ledger._angles is None  # the step's rotary tables are released after the last layer
 
 
+def test_bf16_model_reads_codes_within_the_dequantize_paths_bf16_error(model, tiny_codebooks_dir):
+    """A bf16 model (the bench's same-dtype row): the code path computes in fp32 from bf16 queries and exact tokens,
+    the dequantize path attends in bf16. Both are held against the fp32 model's dequantize path on the same codes:
+    the code path's logit error must stay within twice the dequantize path's bf16 error."""
+    import copy
+
+    enable_code_attention(model)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    ids = _prompt(batch=1, length=80)
+
+    def decode(net, path):
+        cache = GSRQCache(net.config, codebooks=tiny_codebooks_dir, attention=path, **CODED)
+        with torch.inference_mode():
+            net(ids[:, :70], cache=cache)
+            logits = torch.cat([net(ids[:, i:i + 1], cache=cache).logits for i in range(70, 80)], dim=1).float()
+        return logits, cache
+
+    reference, _ = decode(model, "dequantize")
+    dequantized, _ = decode(half, "dequantize")
+    coded, cache = decode(half, "codes")
+    assert cache.attention_path == "codes" and cache.layers[0].window_keys.dtype == torch.bfloat16
+    assert cache.layers[0].region_lengths()["codes"] > 0
+    baseline = (dequantized - reference).abs().max()
+    assert 0 < (coded - reference).abs().max() <= 2 * baseline
+
+
 def test_eager_models_get_the_eager_stand_in(tiny_codebooks_dir):
     torch.manual_seed(0)
     eager = LlamaForCausalLM(tiny_llama_config()).eval()
