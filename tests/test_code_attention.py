@@ -81,7 +81,7 @@ def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir)
 
 def test_bf16_model_reads_codes_within_the_dequantize_paths_bf16_error(model, tiny_codebooks_dir):
     """A bf16 model (the bench's same-dtype row): the code path computes in fp32 from bf16 queries and exact tokens,
-    the dequantize path attends in bf16. Both are held against the fp32 model's dequantize path on the same codes:
+    the dequantize path attends in bf16. Both are held against the fp32 model's dequantize path (same codebooks):
     the code path's logit error must stay within twice the dequantize path's bf16 error."""
     import copy
 
