@@ -1,9 +1,10 @@
 """Fast CPU implementation of ``hf_kvcodecs::coded_attention`` for decoding (few query rows per KV head).
 
 Same contract and math as ``coded_attention_reference``; it differs only in how the work is done, to suit a CPU:
-* keys coded before RoPE (the default): the compiled loops of ``cpu_native.cpp`` rebuild each key from ``key_table``
-  (the per-head codebooks already multiplied by the synthesis matrix), rotate it and dot it with the queries, one
-  token at a time; without a compiler, one ``embedding_bag`` per chunk rebuilds the keys and PyTorch ops do the rest;
+* keys coded before RoPE (the default): one compiled call (``decode_attention`` in ``cpu_native.cpp``) does the whole
+  attention: it rebuilds each key from ``key_table`` (the per-head codebooks already multiplied by the synthesis
+  matrix), rotates it and dots it with the queries, one token at a time, then joins the exact tokens, softmax and
+  values; without a compiler, one ``embedding_bag`` per chunk rebuilds the keys and PyTorch ops do the rest;
 * keys coded after RoPE: one ``embedding_bag`` over query-codebook lookup tables;
 * values: a histogram of probability x scale per codeword (compiled loops, or one ``scatter_add_``), multiplied by
   the codebooks once (in the compiled loops too), then by the synthesis matrix.
@@ -64,13 +65,24 @@ def coded_attention_cpu(
             key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
-        scores = native.prerope_scores(
+        if value_scale_levels is None:
+            value_scales = value_scales.float()
+        # the whole attention in one compiled call (scores, masks, one softmax with the exact tokens, value sums)
+        no_tokens = q.new_empty(batch, kv_heads, 0, dim)
+        out, lse = native.decode_attention(
             q.contiguous(), key_codes.contiguous(), key_scales.contiguous(), key_scale_levels,
-            key_table.float().contiguous(),
-            key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), size,
-            float(scaling),
+            key_table.float().contiguous(), key_mean.float().contiguous(), rotary_cos.float().contiguous(),
+            rotary_sin.float().contiguous(), size, value_codes.contiguous(), value_scales.contiguous(),
+            value_scale_levels, value_codebooks.float().contiguous(), value_stage_groups.long().contiguous(),
+            value_mean.float().contiguous(), value_synthesis.float().contiguous(),
+            None if mask is None else mask.float().contiguous(),
+            no_tokens if exact_keys is None else exact_keys.float().contiguous(),
+            no_tokens if exact_values is None else exact_values.float().contiguous(),
+            None if exact_mask is None or exact_keys is None else exact_mask.float().contiguous(),
+            query_length, float(scaling),
         )
-    elif positions is None:
+        return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+    if positions is None:
         key_codes = key_codes.expand(-1, kv_heads, -1, -1)  # joint-head codes serve every head
         # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
         constant, table = reference._key_lookup_tables(q, key_mean, key_synthesis, key_codebooks, key_stage_groups)
@@ -100,8 +112,7 @@ def coded_attention_cpu(
             keys = _rotate_in_place(keys, cos[:, None], sin[:, None])
             # the rotation is linear, so the per-token scale can be applied to the scores afterwards
             torch.mul(q @ keys.transpose(-1, -2), key_scales[:, :, None, start:end], out=scores[..., start:end])
-    if positions is None or native is None:
-        scores *= scaling  # (the compiled loops apply it per token)
+    scores *= scaling
     group_count = rows // query_length
     reference.add_mask(scores, mask, group_count)
     exact = exact_keys is not None and exact_keys.shape[-2] > 0

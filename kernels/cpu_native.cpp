@@ -2,11 +2,15 @@
 //
 // Same math as kernels/reference.py; what the PyTorch CPU path (kernels/cpu.py) does with a chain of ops and
 // multi-megabyte temporaries, these loops do per token with the vector in a stack buffer:
-//   prerope_scores    key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted with
-//                     every query row of its KV head, times the token's scale and the softmax scaling;
+//   decode_attention  one layer's whole decode attention over pre-RoPE coded keys and its exact tokens: the key
+//                     loop (prerope_scores_into), the exact tokens' scores, masks, one softmax, the value sums and
+//                     the synthesis, in one call;
+//   prerope_scores_into  key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted
+//                     with every query row of its KV head, times the token's scale and the softmax scaling;
 //   value_transform_sums  probability x value scale added into one bin per (stage, codeword), per query row, then
-//                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors.
-// prerope_scores splits the tokens of every (batch, KV head) into blocks, value_transform_sums its stages, run in
+//                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors
+//                     (also an op of its own: kernels/cpu.py uses it for keys coded after RoPE).
+// prerope_scores_into splits the tokens of every (batch, KV head) into blocks, value_transform_sums its stages, run in
 // parallel on torch's intra-op threads.
 //   residual_encode_beam  the beam-search encoder (reference: residual_encode_beam_reference), one vector at a time
 //                     with its beams in stack-sized buffers instead of [rows, beams * K] score tensors; rows run in
@@ -17,7 +21,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -51,7 +57,7 @@ struct HeadScales {
 template <int64_t kDim>
 void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                               const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
-                              int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
+                              int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                               float scaling) {
   constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
@@ -90,7 +96,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
       const float* qm = q + m * kDim;
       Vec16 acc = rotated[0] * load(qm);
       for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
-      out[m * tokens + t] = horizontal_sum(acc) * factor;
+      out[m * out_stride + t] = horizontal_sum(acc) * factor;
     }
   }
 }
@@ -98,7 +104,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
 // Any even head_dim up to kMaxHeadDim.
 void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                           const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
-                          int64_t tokens, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
+                          int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                           float scaling, int64_t dim) {
   const int64_t half = dim / 2;
   float key[kMaxHeadDim];
@@ -120,7 +126,7 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales
     for (int64_t m = 0; m < rows; ++m) {
       float dot = 0.f;
       for (int64_t d = 0; d < dim; ++d) dot += q[m * dim + d] * rotated[d];
-      out[m * tokens + t] = dot * factor;
+      out[m * out_stride + t] = dot * factor;
     }
   }
 }
@@ -154,11 +160,11 @@ HeadScales head_scales(const at::Tensor& scales, const c10::optional<at::Tensor>
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
 // table [H, R, D] f32 (R >= S * K);
-// mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores [B, H, M, N] f32
-at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
-                          const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
-                          const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size,
-                          double scaling) {
+// mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
+void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
+                         const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
+                         const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size,
+                         double scaling, float* op, int64_t out_stride) {
   check(q.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && table.dim() == 3 && mean.dim() == 2 &&
             cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks");
@@ -180,14 +186,13 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
   check(mean.size(0) == heads && mean.size(1) == dim, "mean does not match heads/head_dim");
   check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
         "rotary tables do not match the coded tokens");
-  auto out = at::empty({batch, heads, rows, tokens}, q.options());
+  check(out_stride >= tokens, "score rows shorter than the coded tokens");
   const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
-  const float* qp = q.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const float* mp = mean.data_ptr<float>();
-  const float* cosp = cos.data_ptr<float>();
-  const float* sinp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const float* qp = q.const_data_ptr<float>();
+  const uint8_t* cp = codes.const_data_ptr<uint8_t>();
+  const float* mp = mean.const_data_ptr<float>();
+  const float* cosp = cos.const_data_ptr<float>();
+  const float* sinp = sin.const_data_ptr<float>();
   const int64_t table_rows = table.size(1);
   const float scale = static_cast<float>(scaling);
   at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
@@ -201,21 +206,20 @@ at::Tensor prerope_scores(const at::Tensor& q, const at::Tensor& codes, const at
       const float* mi = mp + h * dim;
       const float* cosi = cosp + b * tokens * dim;
       const float* sini = sinp + b * tokens * dim;
-      float* oi = op + bh * rows * tokens;
+      float* oi = op + bh * rows * out_stride;
       const float* ti = table.const_data_ptr<float>() + h * table_rows * dim;
       if (dim == 64) {
-        prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin,
-                                     end, scale);
+        prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                     begin, end, scale);
       } else if (dim == 128) {
-        prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin,
-                                      end, scale);
+        prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                      begin, end, scale);
       } else {
-        prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, tokens, stages, codebook_size, begin, end,
+        prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size, begin, end,
                              scale, dim);
       }
     }
   });
-  return out;
 }
 
 // The rows of one pass over the codes: `heads` heads (several when their codes are shared, at most kMaxPassHeads) of
@@ -380,6 +384,130 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   return {ranges == 1 ? partial[0] : partial.sum(0), weight_sum};
 }
 
+// The whole decode-time attention of one layer over pre-RoPE coded keys, jointly with its exact tokens, in one call:
+// what kernels/cpu.py otherwise strings together from a dozen PyTorch ops, each a dispatch and a temporary, per layer
+// and step (measured ~0.2 ms per layer of glue at 1K context, as much as the key loop itself).
+//   q [B, H, M, D] f32 (M = query heads per KV head x query_length, row m uses mask row m % query_length);
+//   coded keys as prerope_scores_into takes them; coded values as value_transform_sums takes them, with value_mean [H, D]
+//   and value_synthesis [H, Dt, D] f32; coded_mask [B, Lq, N] / exact_mask [B, Lq, T] additive f32 or absent;
+//   exact_keys / exact_values [B, H, T, D] f32 (RoPE applied), T may be 0
+//   -> (output [B, H, M, D] f32, log-sum-exp [B, H, M] f32), one softmax over the coded and the exact tokens.
+std::tuple<at::Tensor, at::Tensor> decode_attention(
+    const at::Tensor& q, const at::Tensor& key_codes, const at::Tensor& key_scales,
+    const c10::optional<at::Tensor>& key_scale_levels, const at::Tensor& key_table, const at::Tensor& key_mean,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size, const at::Tensor& value_codes,
+    const at::Tensor& value_scales, const c10::optional<at::Tensor>& value_scale_levels,
+    const at::Tensor& value_codebooks, const at::Tensor& value_stage_groups, const at::Tensor& value_mean,
+    const at::Tensor& value_synthesis, const c10::optional<at::Tensor>& coded_mask,
+    const at::Tensor& exact_keys, const at::Tensor& exact_values, const c10::optional<at::Tensor>& exact_mask,
+    int64_t query_length, double scaling) {
+  check(q.dim() == 4 && key_codes.dim() == 4, "unexpected ranks");
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  const int64_t tokens = key_codes.size(2), exact = exact_keys.size(2), width = tokens + exact;
+  check(query_length >= 1 && rows % query_length == 0, "query rows must be a multiple of query_length");
+  for (const auto* t : {&exact_keys, &exact_values}) {
+    check(t->dim() == 4 && t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == batch &&
+              t->size(1) == heads && t->size(2) == exact && t->size(3) == dim,
+          "exact keys and values must be contiguous float32 [batch, heads, tokens, head_dim]");
+  }
+  check(value_mean.scalar_type() == at::kFloat && value_mean.is_contiguous() && value_mean.dim() == 2 &&
+            value_mean.size(0) == heads && value_mean.size(1) == dim,
+        "value_mean must be contiguous float32 [heads, head_dim]");
+  check(value_synthesis.scalar_type() == at::kFloat && value_synthesis.is_contiguous() &&
+            value_synthesis.dim() == 3 && value_synthesis.size(0) == heads && value_synthesis.size(2) == dim,
+        "value_synthesis must be contiguous float32 [heads, transform_dim, head_dim]");
+  const int64_t transform_dim = value_synthesis.size(1);
+  for (const auto& [mask, length] : {std::make_pair(&coded_mask, tokens), std::make_pair(&exact_mask, exact)}) {
+    if (mask->has_value()) {
+      const at::Tensor& m = **mask;
+      check(m.scalar_type() == at::kFloat && m.is_contiguous() && m.dim() == 3 && m.size(0) == batch &&
+                m.size(1) == query_length && m.size(2) == length,
+            "masks must be contiguous float32 [batch, query_length, tokens]");
+    }
+  }
+  auto scores = at::empty({batch, heads, rows, width}, q.options());
+  float* sp = scores.data_ptr<float>();
+  prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
+                      scaling, sp, width);
+  const float scale = static_cast<float>(scaling);
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = exact_keys.const_data_ptr<float>();
+  const float* coded_mp = coded_mask.has_value() ? coded_mask->const_data_ptr<float>() : nullptr;
+  const float* exact_mp = exact_mask.has_value() ? exact_mask->const_data_ptr<float>() : nullptr;
+  auto peaks = at::empty({batch, heads, rows}, q.options());
+  float* pk = peaks.data_ptr<float>();
+  // exact tokens' scores, masks, and each row's maximum (0 for a fully masked row, as reference.exp_weights)
+  at::parallel_for(0, batch * heads * rows, 1, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t bh = row / rows, m = row % rows, b = bh / heads;
+      const int64_t l = m % query_length;
+      float* out = sp + row * width;
+      const float* qm = qp + row * dim;
+      const float* keys = kp + bh * exact * dim;
+      for (int64_t t = 0; t < exact; ++t) {
+        float dot = 0.f;
+        for (int64_t d = 0; d < dim; ++d) dot += qm[d] * keys[t * dim + d];
+        out[tokens + t] = dot * scale;
+      }
+      if (coded_mp != nullptr) {
+        const float* mask = coded_mp + (b * query_length + l) * tokens;
+        for (int64_t n = 0; n < tokens; ++n) out[n] += mask[n];
+      }
+      if (exact_mp != nullptr) {
+        const float* mask = exact_mp + (b * query_length + l) * exact;
+        for (int64_t t = 0; t < exact; ++t) out[tokens + t] += mask[t];
+      }
+      float peak = -std::numeric_limits<float>::infinity();
+      for (int64_t n = 0; n < width; ++n) peak = std::max(peak, out[n]);
+      if (peak == -std::numeric_limits<float>::infinity()) peak = 0.f;
+      for (int64_t n = 0; n < width; ++n) out[n] -= peak;
+      pk[row] = peak;
+    }
+  });
+  scores.exp_();  // ATen's vectorized exp; unnormalized weights: the outputs are divided by the totals instead
+  auto [z, weight_sum] = value_transform_sums(scores, value_codes, value_scales, value_scale_levels, value_codebooks,
+                                              value_stage_groups, transform_dim);
+  auto out = at::empty({batch, heads, rows, dim}, q.options());
+  auto lse = at::empty({batch, heads, rows}, q.options());
+  const float* zp = z.const_data_ptr<float>();
+  const float* wp = weight_sum.const_data_ptr<float>();
+  const float* vm = value_mean.const_data_ptr<float>();
+  const float* vs = value_synthesis.const_data_ptr<float>();
+  const float* ev = exact_values.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  at::parallel_for(0, batch * heads * rows, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> acc(dim);
+    for (int64_t row = first; row < last; ++row) {
+      const int64_t bh = row / rows, h = bh % heads;
+      const float* weights = sp + row * width;
+      float total = 0.f;
+      for (int64_t n = 0; n < width; ++n) total += weights[n];
+      lp[row] = std::log(total) + pk[row];
+      total = std::max(total, std::numeric_limits<float>::min());
+      // values are s_n * (mean + z_n @ synthesis): linear, so the weighted sum is weight_sum * mean + z @ synthesis
+      const float w = wp[row];
+      for (int64_t d = 0; d < dim; ++d) acc[d] = w * vm[h * dim + d];
+      const float* zr = zp + row * transform_dim;
+      const float* synthesis = vs + h * transform_dim * dim;
+      for (int64_t j = 0; j < transform_dim; ++j) {
+        const float c = zr[j];
+        if (c == 0.f) continue;  // components no stage codes (weak principal components) stay exactly zero
+        const float* srow = synthesis + j * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += c * srow[d];
+      }
+      const float* values = ev + bh * exact * dim;
+      for (int64_t t = 0; t < exact; ++t) {
+        const float p = weights[tokens + t];
+        for (int64_t d = 0; d < dim; ++d) acc[d] += p * values[t * dim + d];
+      }
+      float* o = op + row * dim;
+      for (int64_t d = 0; d < dim; ++d) o[d] = acc[d] / total;
+    }
+  });
+  return {out, lse};
+}
+
 // z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
 // extend each kept code path by every codeword, keep the beam_width smallest remaining errors, finally take the
 // smallest. Candidates enter a sorted list only if they beat its worst entry, so most cost one comparison.
@@ -498,15 +626,18 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
 }  // namespace
 
 TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
-  m.def("prerope_scores(Tensor q, Tensor codes, Tensor scales, Tensor? scale_levels, Tensor table, Tensor mean, "
-        "Tensor cos, Tensor sin, int codebook_size, float scaling) -> Tensor");
   m.def("value_transform_sums(Tensor probabilities, Tensor codes, Tensor scales, Tensor? scale_levels, "
         "Tensor codebooks, Tensor stage_groups, int transform_dim) -> (Tensor, Tensor)");
   m.def("residual_encode_beam(Tensor z, Tensor codebooks, Tensor stage_groups, int beam_width) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor key_codes, Tensor key_scales, Tensor? key_scale_levels, Tensor key_table, "
+        "Tensor key_mean, Tensor cos, Tensor sin, int codebook_size, Tensor value_codes, Tensor value_scales, "
+        "Tensor? value_scale_levels, Tensor value_codebooks, Tensor value_stage_groups, Tensor value_mean, "
+        "Tensor value_synthesis, Tensor? coded_mask, Tensor exact_keys, Tensor exact_values, Tensor? exact_mask, "
+        "int query_length, float scaling) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {
-  m.impl("prerope_scores", &prerope_scores);
   m.impl("value_transform_sums", &value_transform_sums);
   m.impl("residual_encode_beam", &residual_encode_beam);
+  m.impl("decode_attention", &decode_attention);
 }
