@@ -65,23 +65,11 @@ def coded_attention_cpu(
             key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
-        if value_scale_levels is None:
-            value_scales = value_scales.float()
-        # the whole attention in one compiled call (scores, masks, one softmax with the exact tokens, value sums)
-        no_tokens = q.new_empty(batch, kv_heads, 0, dim)
-        out, lse = native.decode_attention(
-            q.contiguous(), key_codes.contiguous(), key_scales.contiguous(), key_scale_levels,
-            key_table.float().contiguous(), key_mean.float().contiguous(), rotary_cos.float().contiguous(),
-            rotary_sin.float().contiguous(), size, value_codes.contiguous(), value_scales.contiguous(),
-            value_scale_levels, value_codebooks.float().contiguous(), value_stage_groups.long().contiguous(),
-            value_mean.float().contiguous(), value_synthesis.float().contiguous(),
-            None if mask is None else mask.float().contiguous(),
-            no_tokens if exact_keys is None else exact_keys.float().contiguous(),
-            no_tokens if exact_values is None else exact_values.float().contiguous(),
-            None if exact_mask is None or exact_keys is None else exact_mask.float().contiguous(),
-            query_length, float(scaling),
+        return prerope_decode_attention(
+            native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, size,
+            value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean,
+            value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask,
         )
-        return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
     if positions is None:
         key_codes = key_codes.expand(-1, kv_heads, -1, -1)  # joint-head codes serve every head
         # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
@@ -134,6 +122,41 @@ def coded_attention_cpu(
     if exact:
         out += weights[..., tokens:] @ exact_values.float()
     out /= total
+    return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def prerope_decode_attention(
+    native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, codebook_size,
+    value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis,
+    mask, scaling, exact_keys, exact_values, exact_mask,
+):
+    """Decode attention over keys coded before RoPE in one compiled call (``decode_attention`` in ``cpu_native.cpp``:
+    key loop, exact tokens, masks, one softmax, value sums and synthesis) -> (output ``[B, Hq, Lq, D]``, lse), fp32.
+
+    ``native`` is :func:`.cpu_native.native_ops`; arguments as ``coded_attention`` takes them, with the folded
+    ``key_table`` and the coded tokens' ``rotary_cos``/``rotary_sin`` given. The CPU kernel of
+    ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on CPU, which calls it without
+    the Python custom op's dispatch (about 60 us per layer and step with this many arguments)."""
+    batch, query_heads, query_length, dim = query.shape
+    kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
+    rows = (query_heads // kv_heads) * query_length
+    q = query.float().reshape(batch, kv_heads, rows, dim).contiguous()
+    if key_scale_levels is None:
+        key_scales = key_scales.float()
+    if value_scale_levels is None:
+        value_scales = value_scales.float()
+    no_tokens = q.new_empty(batch, kv_heads, 0, dim)
+    out, lse = native.decode_attention(
+        q, key_codes.contiguous(), key_scales.contiguous(), key_scale_levels, key_table.float().contiguous(),
+        key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), codebook_size,
+        value_codes.contiguous(), value_scales.contiguous(), value_scale_levels, value_codebooks.float().contiguous(),
+        value_stage_groups.long().contiguous(), value_mean.float().contiguous(), value_synthesis.float().contiguous(),
+        None if mask is None else mask.float().contiguous(),
+        no_tokens if exact_keys is None else exact_keys.float().contiguous(),
+        no_tokens if exact_values is None else exact_values.float().contiguous(),
+        None if exact_mask is None or exact_keys is None else exact_mask.float().contiguous(),
+        query_length, float(scaling),
+    )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 

@@ -18,6 +18,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -572,15 +575,21 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             const float* r = residual.data() + b * group_dim;
             float r_energy = 0.f;
             for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
-            for (int64_t k = 0; k < size; ++k) scores[k] = -half[k];
-            for (int64_t j = 0; j < group_dim; ++j) {
-              const float rj = r[j];
-              const float* column = book_t + j * size;
-              for (int64_t k = 0; k < size; ++k) scores[k] += rj * column[k];
+            // scores[k] = <r, c_k> - |c_k|^2 / 2, 16 codewords at a time with their sums in one register
+            int64_t first_tail = 0;
+            for (; first_tail + kLanes <= size; first_tail += kLanes) {
+              Vec16 acc = -load(half + first_tail);
+              for (int64_t j = 0; j < group_dim; ++j) acc += r[j] * load(book_t + j * size + first_tail);
+              *reinterpret_cast<Vec16*>(scores.data() + first_tail) = acc;
             }
-            for (int64_t k = 0; k < size; ++k) {
+            for (int64_t k = first_tail; k < size; ++k) {
+              float score = -half[k];
+              for (int64_t j = 0; j < group_dim; ++j) score += r[j] * book_t[j * size + k];
+              scores[k] = score;
+            }
+            auto offer = [&](int64_t k) {  // candidate k, in increasing k: ties keep the earlier one
               const float error = r_energy - 2.f * scores[k];  // |r - c|^2
-              if (kept == width && error >= best_error[width - 1]) continue;
+              if (kept == width && error >= best_error[width - 1]) return;
               int64_t slot = kept < width ? kept++ : width - 1;
               while (slot > 0 && best_error[slot - 1] > error) {
                 best_error[slot] = best_error[slot - 1];
@@ -591,7 +600,24 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
               best_error[slot] = error;
               best_parent[slot] = b;
               best_word[slot] = k;
+            };
+            int64_t k = 0;
+            for (; k < size && kept < width; ++k) offer(k);
+#if defined(__AVX512F__)
+            // Once the beam is full, few candidates beat its worst entry: compare 16 at a time and offer only those
+            // (same errors, same order as the scalar loop, so the same codes).
+            const __m512 energy_v = _mm512_set1_ps(r_energy);
+            for (; k + 16 <= size; k += 16) {
+              const __m512 s = _mm512_loadu_ps(scores.data() + k);
+              const __m512 error = _mm512_sub_ps(energy_v, _mm512_add_ps(s, s));
+              __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[width - 1]), _CMP_LT_OQ);
+              while (below) {
+                offer(k + __builtin_ctz(below));
+                below &= below - 1;
+              }
             }
+#endif
+            for (; k < size; ++k) offer(k);
           }
           for (int64_t n = 0; n < kept; ++n) {
             const float* parent = residual.data() + best_parent[n] * group_dim;
