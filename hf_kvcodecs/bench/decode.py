@@ -2,9 +2,12 @@
 with its dequantize path and the caches transformers ships, on one model in one run.
 
 Speed: the prefill of ``context`` real-text tokens is timed on its own (time to the first token, the cache's
-encoding of the prompt included), then ``steps`` single-token decode steps are timed; the per-run median step time
-gives tokens/s, the reported value is the median over interleaved repeats (the method order rotates each repeat so
-machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache of the same run.
+encoding of the prompt included), then ``steps`` single-token decode steps are timed; tokens/s is the steps over their
+total time (throughput: the default 128 steps span whole flush cycles of every cache, GSRQ's encoding of the window
+every 32 tokens and quanto's re-quantization every 128, so their periodic costs are counted, which the median step
+time used until 2026-12-01 left out); the reported value is the median over interleaved repeats (the method order
+rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache of the
+same run.
 
 Memory at the largest context: bytes of the tensors each cache holds (counted from the objects, per-model tables
 apart), and the transient memory a decode step needs on top: the peak of the process's resident memory during the
@@ -40,6 +43,8 @@ from .harness import _decode_step, _environment, _perplexity_metrics, _prefill, 
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
+# Throughput window: a multiple of GSRQ's flush interval (32) and of quanto's residual length (128) in the benchmark.
+DECODE_STEPS = 128
 # Codec layouts measured next to the default (keys per head, values joint): the previous default and both joint.
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}))
@@ -101,7 +106,7 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
     return methods
 
 
-def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps: int = 16, repeats: int = 2,
+def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps: int = DECODE_STEPS, repeats: int = 2,
                          memory_steps: int = 8, text=None, calibration_text=None, store=None,
                          include_post_rope: bool = True, progress: bool = True) -> dict:
     started = time.perf_counter()
@@ -131,13 +136,13 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
                 runs[method.name].append(_timed_steps(models[method.precision], cache, token_ids, prompt_length, steps))
                 bar.update()
         bar.close()
-        reference = statistics.median(1 / statistics.median(run) for run in runs[REFERENCE])
+        reference = statistics.median(_throughput(run) for run in runs[REFERENCE])
         reference_prefill = statistics.median(prefills[REFERENCE])
         for name, method_runs in runs.items():
-            tokens_per_s = statistics.median(1 / statistics.median(run) for run in method_runs)
+            tokens_per_s = statistics.median(_throughput(run) for run in method_runs)
             prefill_s = statistics.median(prefills[name])
             speed[name][str(context)] = {"tokens_per_s": tokens_per_s, "ratio_to_fp32": tokens_per_s / reference,
-                                         "runs_tokens_per_s": [1 / statistics.median(run) for run in method_runs],
+                                         "runs_tokens_per_s": [_throughput(run) for run in method_runs],
                                          "prefill_s": prefill_s, "prefill_ratio_to_fp32": prefill_s / reference_prefill,
                                          "runs_prefill_s": prefills[name]}
 
@@ -218,6 +223,11 @@ def _prefilled(model, method: DecodeMethod, token_ids, context: int):
     return cache, context
 
 
+def _throughput(step_seconds: list[float]) -> float:
+    """Decoded tokens per second of one run: every step counted, the ones that also encode or re-quantize too."""
+    return len(step_seconds) / sum(step_seconds)
+
+
 def _timed_steps(model, cache, token_ids, start: int, steps: int) -> list[float]:
     seconds = []
     with torch.inference_mode():
@@ -272,7 +282,7 @@ def decode_markdown(results: dict) -> str:
         "",
         f"- Model: {results['model']}",
         f"- Text: {results['text']}",
-        f"- Speed: {results['steps']} decode steps after the prefill; tokens/s = 1 / median step time; median "
+        f"- Speed: {results['steps']} decode steps after the prefill; tokens/s = steps / their total time (whole flush cycles: GSRQ encodes every 32 tokens, quanto re-quantizes every 128); median "
         f"of {results['repeats']} interleaved repeats; × = ratio to `{REFERENCE}` in the same run; "
         f"{results['threads']} torch threads",
         f"- Memory at {longest} tokens: `held` = tensors the cache holds (per-model tables in `shared`); `transient` = "
@@ -324,7 +334,7 @@ def plot_decode_speed(results: dict, path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xticks(results["contexts"], [str(c) for c in results["contexts"]])
     axis.set_xlabel("context (tokens)")
-    axis.set_ylabel("decode tokens/s (median)")
+    axis.set_ylabel("decode tokens/s (throughput, median of runs)")
     axis.set_title(f"Decode speed on CPU, {results['threads']} threads")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
