@@ -308,9 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arguments(decode)
     decode.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     decode.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
-    decode.add_argument("--steps", type=int, default=128,
+    decode.add_argument("--steps", type=int, default=132,
                         help="timed decode steps per run; tokens/s = steps / their total time (default %(default)s: "
-                             "whole flush cycles of GSRQ, every 32 tokens, and quanto, every 128)")
+                             "four whole flush cycles of GSRQ, every 33 steps, and about one of quanto, every 128)")
     decode.add_argument("--repeats", type=int, default=2, help="interleaved repeats (the median is reported)")
     decode.add_argument("--no-post-rope", action="store_true",
                         help="skip the GSRQ variant with keys coded after RoPE (it needs its own calibration)")

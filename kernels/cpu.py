@@ -56,10 +56,6 @@ def coded_attention_cpu(
         )
         return reference.join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling)
     size = key_codebooks.shape[1]
-    q = query.float().reshape(batch, kv_heads, rows, dim)
-    if key_scale_levels is None:
-        key_scales = key_scales.float()
-
     if positions is not None and native is not None:
         if key_table is None:
             key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
@@ -70,6 +66,9 @@ def coded_attention_cpu(
             value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean,
             value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask,
         )
+    q = query.float().reshape(batch, kv_heads, rows, dim)
+    if key_scale_levels is None:
+        key_scales = key_scales.float()
     if positions is None:
         key_codes = key_codes.expand(-1, kv_heads, -1, -1)  # joint-head codes serve every head
         # Lookup tables: entry (b, h, s*K + k, m) = q[b, h, m] . (codeword k of stage s) @ synthesis[h]
@@ -151,10 +150,10 @@ def prerope_decode_attention(
         key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), codebook_size,
         value_codes.contiguous(), value_scales.contiguous(), value_scale_levels, value_codebooks.float().contiguous(),
         value_stage_groups.long().contiguous(), value_mean.float().contiguous(), value_synthesis.float().contiguous(),
-        None if mask is None else mask.float().contiguous(),
+        None if mask is None else mask.float().expand(batch, query_length, -1).contiguous(),  # (may broadcast)
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),
-        None if exact_mask is None or exact_keys is None else exact_mask.float().contiguous(),
+        None if exact_mask is None or exact_keys is None else exact_mask.float().expand(batch, query_length, -1).contiguous(),
         query_length, float(scaling),
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)

@@ -136,6 +136,31 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales
 
 void check(bool condition, const char* message) { TORCH_CHECK(condition, "hf_kvcodecs cpu_native: ", message); }
 
+// Row reductions in 16 lanes: vectorized (a plain float loop is one dependency chain) and, for the sum, 16 partial
+// sums rather than one, so the rounding error grows like a blocked sum's, as in ATen's sum.
+float row_max(const float* x, int64_t n) {
+  Vec16 lanes = {};
+  lanes -= std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec16 v = load(x + i);
+    lanes = v > lanes ? v : lanes;
+  }
+  float peak = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < kLanes; ++l) peak = std::max(peak, lanes[l]);
+  for (; i < n; ++i) peak = std::max(peak, x[i]);
+  return peak;
+}
+
+float row_sum(const float* x, int64_t n) {
+  Vec16 lanes = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) lanes += load(x + i);
+  float total = horizontal_sum(lanes);
+  for (; i < n; ++i) total += x[i];
+  return total;
+}
+
 // scales [B, H, N]: float32 values, or with scale_levels [H, 256] f32, uint8 level indices.
 void check_scales(const at::Tensor& scales, const c10::optional<at::Tensor>& scale_levels, int64_t batch,
                   int64_t heads, int64_t tokens) {
@@ -420,6 +445,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
             value_synthesis.dim() == 3 && value_synthesis.size(0) == heads && value_synthesis.size(2) == dim,
         "value_synthesis must be contiguous float32 [heads, transform_dim, head_dim]");
   const int64_t transform_dim = value_synthesis.size(1);
+  check(value_codes.dim() == 4 && value_codes.size(2) == tokens, "value codes must cover the same tokens as key codes");
   for (const auto& [mask, length] : {std::make_pair(&coded_mask, tokens), std::make_pair(&exact_mask, exact)}) {
     if (mask->has_value()) {
       const at::Tensor& m = **mask;
@@ -460,8 +486,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
         const float* mask = exact_mp + (b * query_length + l) * exact;
         for (int64_t t = 0; t < exact; ++t) out[tokens + t] += mask[t];
       }
-      float peak = -std::numeric_limits<float>::infinity();
-      for (int64_t n = 0; n < width; ++n) peak = std::max(peak, out[n]);
+      float peak = row_max(out, width);
       if (peak == -std::numeric_limits<float>::infinity()) peak = 0.f;
       for (int64_t n = 0; n < width; ++n) out[n] -= peak;
       pk[row] = peak;
@@ -484,8 +509,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     for (int64_t row = first; row < last; ++row) {
       const int64_t bh = row / rows, h = bh % heads;
       const float* weights = sp + row * width;
-      float total = 0.f;
-      for (int64_t n = 0; n < width; ++n) total += weights[n];
+      float total = row_sum(weights, width);
       lp[row] = std::log(total) + pk[row];
       total = std::max(total, std::numeric_limits<float>::min());
       // values are s_n * (mean + z_n @ synthesis): linear, so the weighted sum is weight_sum * mean + z @ synthesis

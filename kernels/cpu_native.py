@@ -83,7 +83,17 @@ def _load():
         name=directory.name, sources=[str(SOURCE)], build_directory=str(directory), is_python_module=False,
         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False,
     )
-    return getattr(torch.ops, NAMESPACE)
+    ops = getattr(torch.ops, NAMESPACE)
+    _register_fakes()
+    return ops
+
+
+def _register_fakes() -> None:
+    """Shapes of ``decode_attention``'s outputs for fake tensors (tracing that reaches the op directly)."""
+
+    @torch.library.register_fake(f"{NAMESPACE}::decode_attention")
+    def _(q, *args):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3])
 
 
 def build_error() -> BaseException | None:

@@ -3,9 +3,9 @@ with its dequantize path and the caches transformers ships, on one model in one 
 
 Speed: the prefill of ``context`` real-text tokens is timed on its own (time to the first token, the cache's
 encoding of the prompt included), then ``steps`` single-token decode steps are timed; tokens/s is the steps over their
-total time (throughput: the default 128 steps span whole flush cycles of every cache, GSRQ's encoding of the window
-every 32 tokens and quanto's re-quantization every 128, so their periodic costs are counted, which the median step
-time used until 2026-12-01 left out); the reported value is the median over interleaved repeats (the method order
+total time (throughput: the default 132 steps span four whole flush cycles of the GSRQ cache, which encodes 33 window
+tokens every 33 steps, and about one of quanto's, which re-quantizes every 128, so their periodic costs are counted,
+which the median step time used until 2026-12-01 left out); the reported value is the median over interleaved repeats (the method order
 rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache of the
 same run.
 
@@ -43,8 +43,9 @@ from .harness import _decode_step, _environment, _perplexity_metrics, _prefill, 
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
-# Throughput window: a multiple of GSRQ's flush interval (32) and of quanto's residual length (128) in the benchmark.
-DECODE_STEPS = 128
+# Throughput window: four whole flush cycles of the GSRQ cache (its window of 32 exact tokens is encoded down to 32
+# once it exceeds 32 + 32, i.e. 33 tokens every 33 steps) and about one of quanto (re-quantizes every 128 tokens).
+DECODE_STEPS = 132
 # Codec layouts measured next to the default (keys per head, values joint): the previous default and both joint.
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}))
@@ -282,7 +283,7 @@ def decode_markdown(results: dict) -> str:
         "",
         f"- Model: {results['model']}",
         f"- Text: {results['text']}",
-        f"- Speed: {results['steps']} decode steps after the prefill; tokens/s = steps / their total time (whole flush cycles: GSRQ encodes every 32 tokens, quanto re-quantizes every 128); median "
+        f"- Speed: {results['steps']} decode steps after the prefill; tokens/s = steps / their total time (periodic work included: GSRQ encodes 33 window tokens every 33 steps, quanto re-quantizes every 128); median "
         f"of {results['repeats']} interleaved repeats; × = ratio to `{REFERENCE}` in the same run; "
         f"{results['threads']} torch threads",
         f"- Memory at {longest} tokens: `held` = tensors the cache holds (per-model tables in `shared`); `transient` = "
