@@ -150,13 +150,18 @@ def prerope_decode_attention(
         key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), codebook_size,
         value_codes.contiguous(), value_scales.contiguous(), value_scale_levels, value_codebooks.float().contiguous(),
         value_stage_groups.long().contiguous(), value_mean.float().contiguous(), value_synthesis.float().contiguous(),
-        None if mask is None else mask.float().expand(batch, query_length, -1).contiguous(),  # (may broadcast)
+        _per_batch_row(mask, batch, query_length),
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),
-        None if exact_mask is None or exact_keys is None else exact_mask.float().expand(batch, query_length, -1).contiguous(),
+        None if exact_keys is None else _per_batch_row(exact_mask, batch, query_length),
         query_length, float(scaling),
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _per_batch_row(mask, batch: int, query_length: int):
+    """An additive mask as the compiled op reads it: contiguous fp32 ``[B, Lq, N]`` (a mask may broadcast over B)."""
+    return None if mask is None else mask.float().expand(batch, query_length, -1).contiguous()
 
 
 def _rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

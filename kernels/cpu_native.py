@@ -89,11 +89,16 @@ def _load():
 
 
 def _register_fakes() -> None:
-    """Shapes of ``decode_attention``'s outputs for fake tensors (tracing that reaches the op directly)."""
+    """Shapes of ``decode_attention``'s outputs for fake tensors (tracing that reaches the op directly); once per
+    process, however often the library is loaded."""
+    if _state.get("fakes"):
+        return
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_attention")
     def _(q, *args):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3])
+
+    _state["fakes"] = True
 
 
 def build_error() -> BaseException | None:
