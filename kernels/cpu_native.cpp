@@ -416,8 +416,9 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
 // what kernels/cpu.py otherwise strings together from a dozen PyTorch ops, each a dispatch and a temporary, per layer
 // and step (measured ~0.2 ms per layer of glue at 1K context, as much as the key loop itself).
 //   q [B, H, M, D] f32 (M = query heads per KV head x query_length, row m uses mask row m % query_length);
-//   coded keys as prerope_scores_into takes them; coded values as value_transform_sums takes them, with value_mean [H, D]
-//   and value_synthesis [H, Dt, D] f32; coded_mask [B, Lq, N] / exact_mask [B, Lq, T] additive f32 or absent;
+//   coded keys as prerope_scores_into takes them; coded values as value_transform_sums takes them, with
+//   value_mean [H, D] and value_synthesis [H, Dt, D] f32; coded_mask [B, Lq, N] / exact_mask [B, Lq, T] additive f32
+//   or absent;
 //   exact_keys / exact_values [B, H, T, D] f32 (RoPE applied), T may be 0
 //   -> (output [B, H, M, D] f32, log-sum-exp [B, H, M] f32), one softmax over the coded and the exact tokens.
 std::tuple<at::Tensor, at::Tensor> decode_attention(
@@ -445,7 +446,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
             value_synthesis.dim() == 3 && value_synthesis.size(0) == heads && value_synthesis.size(2) == dim,
         "value_synthesis must be contiguous float32 [heads, transform_dim, head_dim]");
   const int64_t transform_dim = value_synthesis.size(1);
-  check(value_codes.dim() == 4 && value_codes.size(2) == tokens, "value codes must cover the same tokens as key codes");
+  check(value_codes.dim() == 4 && value_codes.size(2) == tokens,
+        "value codes must cover the same tokens as key codes");
   for (const auto& [mask, length] : {std::make_pair(&coded_mask, tokens), std::make_pair(&exact_mask, exact)}) {
     if (mask->has_value()) {
       const at::Tensor& m = **mask;
