@@ -18,7 +18,7 @@ The last two are built here from the default calibration's own samples (same win
 decoded through the dequantize path; the first two go through the same path. Also reported: the keys' held-out relative
 MSE over all layers (the calibration's held-out windows).
 
-    .venv/bin/python benchmarks/explore_key_codebooks.py --seeds 0 1      # ~15 min per seed on a 2-core CPU
+    .venv/bin/python benchmarks/explore_key_codebooks.py --seeds 0 1      # ~25 min per seed on a 2-core CPU
 """
 
 from __future__ import annotations
