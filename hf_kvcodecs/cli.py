@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from .codecs.joint import CODEC_LAYOUTS, DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
+from .codecs.gsrq_codebooks import LAYOUTS
+from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
 
@@ -264,10 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--metric", default="none", choices=["none", "attention"],
                            help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
-    calibrate.add_argument("--key-layout", default=DEFAULT_KEY_LAYOUT, choices=list(CODEC_LAYOUTS),
+    calibrate.add_argument("--key-layout", default=DEFAULT_KEY_LAYOUT, choices=list(LAYOUTS["keys"]),
                            help="'per_head': one code per key head vector; 'joint_heads': one code per token for all "
-                                "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows)")
-    calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(CODEC_LAYOUTS),
+                                "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows); "
+                                "'conditional_heads': one code per head vector, each head predicted from the heads "
+                                "decoded before it (about the joint error at the per-head rate)")
+    calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(LAYOUTS["values"]),
                            help="the same for values (default joint_heads: lower error at about the same decode speed)")
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],

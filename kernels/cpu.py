@@ -127,7 +127,7 @@ def coded_attention_cpu(
 def prerope_decode_attention(
     native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, codebook_size,
     value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis,
-    mask, scaling, exact_keys, exact_values, exact_mask,
+    mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys: bool = False,
 ):
     """Decode attention over keys coded before RoPE in one compiled call (``decode_attention`` in ``cpu_native.cpp``:
     key loop, exact tokens, masks, one softmax, value sums and synthesis) -> (output ``[B, Hq, Lq, D]``, lse), fp32.
@@ -135,7 +135,11 @@ def prerope_decode_attention(
     ``native`` is :func:`.cpu_native.native_ops`; arguments as ``coded_attention`` takes them, with the folded
     ``key_table`` and the coded tokens' ``rotary_cos``/``rotary_sin`` given. The CPU kernel of
     ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on CPU, which calls it without
-    the Python custom op's dispatch (about 60 us per layer and step with this many arguments)."""
+    the Python custom op's dispatch (about 60 us per layer and step with this many arguments).
+
+    ``conditional_keys``: the keys are coded head by head, each conditionally on the heads before it; ``key_table``
+    and ``key_mean`` are then ``ConditionalHeadResidualVQ.conditional_key_table()``'s flat table and ``[H, H*D]``
+    mean."""
     batch, query_heads, query_length, dim = query.shape
     kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
     rows = (query_heads // kv_heads) * query_length
@@ -154,7 +158,7 @@ def prerope_decode_attention(
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),
         None if exact_keys is None else _per_batch_row(exact_mask, batch, query_length),
-        query_length, float(scaling),
+        query_length, float(scaling), conditional_keys,
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 

@@ -7,6 +7,8 @@
 //                     the synthesis, in one call;
 //   prerope_scores_into  key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted
 //                     with every query row of its KV head, times the token's scale and the softmax scaling;
+//   conditional_scores_into  the same for keys coded conditionally on the heads before them: all heads of a token
+//                     rebuilt together from wider rows (decode_attention with conditional_keys=True);
 //   value_transform_sums  probability x value scale added into one bin per (stage, codeword), per query row, then
 //                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors
 //                     (also an op of its own: kernels/cpu.py uses it for keys coded after RoPE).
@@ -100,6 +102,74 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
       Vec16 acc = rotated[0] * load(qm);
       for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
       out[m * out_stride + t] = horizontal_sum(acc) * factor;
+    }
+  }
+}
+
+// Keys coded head by head, each predicted from the heads before it (hf_kvcodecs/codecs/conditional.py): head h of
+// token t is sum over source heads j <= h of scale_j[t] * (mean[j] + the S rows of source block j)[h]. Block j of
+// the table is [R, (H - j) * D]: each row already carries its codeword's contribution to heads j..H-1, so a token
+// reads S rows per head as the per-head loop does, only wider, and needs no matrix product. All heads of a token are
+// rebuilt together, then each is rotated and dotted with its own query rows.
+constexpr int64_t kMaxConditionalHeads = 16;
+
+template <int64_t kDim>
+void conditional_scores_block(const float* q, const uint8_t* codes, const HeadScales* scales, const float* table,
+                              const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
+                              int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages, int64_t codebook_size,
+                              int64_t table_rows, int64_t begin, int64_t end, float scaling) {
+  constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
+  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
+  constexpr int64_t kLineFloats = 64 / sizeof(float);
+  Vec16 key[kMaxConditionalHeads * kBlocks];
+  Vec16 part[kMaxConditionalHeads * kBlocks];
+  for (int64_t t = begin; t < end; ++t) {
+    if (t + kPrefetchDistance < end) {
+      const float* block = table;
+      for (int64_t j = 0; j < heads; ++j) {
+        const int64_t width = (heads - j) * kDim;
+        const uint8_t* ahead = codes + (j * tokens + t + kPrefetchDistance) * stages;
+        for (int64_t s = 0; s < stages; ++s) {
+          const float* row = block + (s * codebook_size + ahead[s]) * width;
+          for (int64_t offset = 0; offset < width; offset += kLineFloats) __builtin_prefetch(row + offset);
+        }
+        block += table_rows * width;
+      }
+    }
+    for (int64_t b = 0; b < heads * kBlocks; ++b) key[b] = Vec16{};
+    const float* block = table;
+    for (int64_t j = 0; j < heads; ++j) {
+      const int64_t width_blocks = (heads - j) * kBlocks;
+      const float* source_mean = mean + (j * heads + j) * kDim;
+      for (int64_t b = 0; b < width_blocks; ++b) part[b] = load(source_mean + b * kLanes);
+      const uint8_t* token_codes = codes + (j * tokens + t) * stages;
+      for (int64_t s = 0; s < stages; ++s) {
+        const float* row = block + (s * codebook_size + token_codes[s]) * width_blocks * kLanes;
+        for (int64_t b = 0; b < width_blocks; ++b) part[b] += load(row + b * kLanes);
+      }
+      const float scale = scales[j][t];
+      for (int64_t b = 0; b < width_blocks; ++b) key[j * kBlocks + b] += scale * part[b];
+      block += table_rows * width_blocks * kLanes;
+    }
+    const float* c = cos + t * kDim;
+    const float* n = sin + t * kDim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const Vec16* head_key = key + h * kBlocks;
+      Vec16 rotated[kBlocks];
+      for (int64_t b = 0; b < kHalf; ++b) {
+        const Vec16 low = head_key[b], high = head_key[b + kHalf];
+        const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
+        rotated[b] = low * cb - high * sb;
+        rotated[b + kHalf] = high * cb + low * sb;
+      }
+      const float* qh = q + h * rows * kDim;
+      float* oh = out + h * rows * out_stride;
+      for (int64_t m = 0; m < rows; ++m) {
+        const float* qm = qh + m * kDim;
+        Vec16 acc = rotated[0] * load(qm);
+        for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
+        oh[m * out_stride + t] = horizontal_sum(acc) * scaling;
+      }
     }
   }
 }
@@ -245,6 +315,64 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
       } else {
         prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size, begin, end,
                              scale, dim);
+      }
+    }
+  });
+}
+
+// Conditional keys: q [B, H, M, D] f32 (D 64 or 128); codes [B, H, N, S] u8; scales [B, H, N] f32 (or u8 with
+// scale_levels [H, 256] f32); table flat f32, blocks j = 0..H-1 of [R, (H-j)*D] (R >= S * K); mean [H, H*D] f32;
+// cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
+void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
+                             const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
+                             const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                             int64_t codebook_size, double scaling, float* op, int64_t out_stride) {
+  check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
+        "unexpected ranks for conditional keys");
+  for (const auto* t : {&q, &table, &mean, &cos, &sin}) {
+    check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
+          "float tensors must be contiguous float32 on CPU");
+  }
+  check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
+  const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
+  const int64_t tokens = codes.size(2), stages = codes.size(3);
+  check(dim == 64 || dim == 128, "conditional keys need head_dim 64 or 128");
+  check(heads <= kMaxConditionalHeads, "conditional keys support at most 16 KV heads");
+  check(codes.size(0) == batch && codes.size(1) == heads, "codes do not match the query's batch and heads");
+  check_scales(scales, scale_levels, batch, heads, tokens);
+  const int64_t widths = heads * (heads + 1) / 2 * dim;
+  check(table.numel() % widths == 0 && table.numel() / widths >= stages * codebook_size,
+        "conditional key table too small for these codes");
+  const int64_t table_rows = table.numel() / widths;
+  check(mean.size(0) == heads && mean.size(1) == heads * dim, "conditional key mean must be [heads, heads * head_dim]");
+  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
+        "rotary tables do not match the coded tokens");
+  check(out_stride >= tokens, "score rows shorter than the coded tokens");
+  const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
+  const float* qp = q.const_data_ptr<float>();
+  const uint8_t* cp = codes.const_data_ptr<uint8_t>();
+  const float* tp = table.const_data_ptr<float>();
+  const float* mp = mean.const_data_ptr<float>();
+  const float* cosp = cos.const_data_ptr<float>();
+  const float* sinp = sin.const_data_ptr<float>();
+  const float scale = static_cast<float>(scaling);
+  at::parallel_for(0, batch * blocks, 1, [&](int64_t first, int64_t last) {
+    HeadScales head_scale[kMaxConditionalHeads];
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t b = item / blocks, block = item % blocks;
+      const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
+      for (int64_t h = 0; h < heads; ++h) head_scale[h] = head_scales(scales, scale_levels, b, h);
+      const float* qi = qp + b * heads * rows * dim;
+      const uint8_t* ci = cp + b * heads * tokens * stages;
+      const float* cosi = cosp + b * tokens * dim;
+      const float* sini = sinp + b * tokens * dim;
+      float* oi = op + b * heads * rows * out_stride;
+      if (dim == 64) {
+        conditional_scores_block<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, rows, out_stride, tokens,
+                                     stages, codebook_size, table_rows, begin, end, scale);
+      } else {
+        conditional_scores_block<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, rows, out_stride, tokens,
+                                      stages, codebook_size, table_rows, begin, end, scale);
       }
     }
   });
@@ -429,7 +557,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& value_codebooks, const at::Tensor& value_stage_groups, const at::Tensor& value_mean,
     const at::Tensor& value_synthesis, const c10::optional<at::Tensor>& coded_mask,
     const at::Tensor& exact_keys, const at::Tensor& exact_values, const c10::optional<at::Tensor>& exact_mask,
-    int64_t query_length, double scaling) {
+    int64_t query_length, double scaling, bool conditional_keys) {
   check(q.dim() == 4 && key_codes.dim() == 4, "unexpected ranks");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = key_codes.size(2), exact = exact_keys.size(2), width = tokens + exact;
@@ -458,8 +586,13 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   }
   auto scores = at::empty({batch, heads, rows, width}, q.options());
   float* sp = scores.data_ptr<float>();
-  prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
-                      scaling, sp, width);
+  if (conditional_keys) {
+    conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
+                            scaling, sp, width);
+  } else {
+    prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
+                        scaling, sp, width);
+  }
   const float scale = static_cast<float>(scaling);
   const float* qp = q.const_data_ptr<float>();
   const float* kp = exact_keys.const_data_ptr<float>();
@@ -685,7 +818,7 @@ TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
         "Tensor key_mean, Tensor cos, Tensor sin, int codebook_size, Tensor value_codes, Tensor value_scales, "
         "Tensor? value_scale_levels, Tensor value_codebooks, Tensor value_stage_groups, Tensor value_mean, "
         "Tensor value_synthesis, Tensor? coded_mask, Tensor exact_keys, Tensor exact_values, Tensor? exact_mask, "
-        "int query_length, float scaling) -> (Tensor, Tensor)");
+        "int query_length, float scaling, bool conditional_keys=False) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {

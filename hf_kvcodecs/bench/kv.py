@@ -75,8 +75,10 @@ def layout_family(layout: dict) -> str:
     return "(" + ", ".join(f"{name.split('_')[0]}s {value.replace('_', '-')}" for name, value in sorted(layout.items())) + ")"
 
 
-# The previous default (keys and values coded per head vector) next to the default, on the same seed.
-LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),)
+# The previous default (keys and values coded per head vector) and keys coded conditionally on the heads before them
+# next to the default, on the same seed.
+LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
+                   (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
 
 
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,

@@ -8,14 +8,20 @@ off per decoded token.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
+from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
 from ..kernels.cpu import prerope_decode_attention
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
+
+logger = logging.getLogger(__name__)
+CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for conditionally coded keys is built for
+_warned: set[str] = set()
 
 
 def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int, device) -> torch.Tensor | None:
@@ -41,9 +47,32 @@ def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int,
 
 
 def uses_codes(layer, query: torch.Tensor) -> bool:
-    """Whether this call reads codes (decode-sized query blocks with a non-empty coded region)."""
+    """Whether this call reads codes (decode-sized query blocks with a non-empty coded region, and a code-reading
+    implementation for the layer's key codec on this device)."""
     group_count = query.shape[1] // layer.key_codec.num_heads
-    return layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
+    decode_sized = layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
+    return decode_sized and conditional_keys_readable(layer, query)
+
+
+def conditional_keys_readable(layer, query: torch.Tensor) -> bool:
+    """Keys coded conditionally across heads are read from codes only by the compiled CPU loop (pre-RoPE keys, head_dim
+    64 or 128, at most 16 KV heads); elsewhere (CUDA, no C++ compiler, ``torch.compile``) such layers take the
+    dequantize path, and say so once (``layer.last_attention`` records the path of each call)."""
+    codec = layer.key_codec
+    if not isinstance(codec, ConditionalHeadResidualVQ):
+        return True
+    reasons = []
+    if query.device.type != "cpu":
+        reasons.append(f"the code-reading kernel for it runs on CPU only (query on {query.device.type})")
+    elif torch.compiler.is_compiling() or native_ops() is None:
+        reasons.append("the compiled CPU loops are unavailable (no C++ compiler, or inside torch.compile)")
+    if codec.head_dim not in CONDITIONAL_HEAD_DIMS or codec.num_heads > 16:
+        reasons.append(f"it is built for head_dim in {CONDITIONAL_HEAD_DIMS} and at most 16 KV heads")
+    if reasons and reasons[0] not in _warned:
+        _warned.add(reasons[0])
+        logger.warning("GSRQ: keys coded conditionally across heads (key_layout='conditional_heads') are dequantized "
+                       "for attention because %s.", "; ".join(reasons))
+    return not reasons
 
 
 def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -68,6 +97,15 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
     native = native_ops() if pre_rope and on_cpu and not torch.compiler.is_compiling() else None
+    if isinstance(key_codec, ConditionalHeadResidualVQ):  # uses_codes admits these layers only with the compiled loop
+        value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
+        out, _ = prerope_decode_attention(
+            native, query, layer.key_codes, key_scales, key_levels, *key_codec.conditional_key_table(), *rotary,
+            key_codec.codebook_size, layer.value_codes, value_scales, value_levels, value_codebooks,
+            value_stage_groups, value_mean, value_synthesis, coded_mask, scaling, exact_keys, exact_values,
+            exact_mask, conditional_keys=True,
+        )
+        return out.to(query.dtype)
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()

@@ -105,6 +105,7 @@ class GSRQLayer(CacheLayerMixin):
         self.rope_inv_freq, self.rope_attention_scaling = rope_inv_freq, rope_attention_scaling
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
         self.attention_path = "dequantize"  # or "codes": set by GSRQCache
+        self.last_attention = None  # in code-reading mode, how the last call attended: "codes" or "dequantize"
         self.is_last_layer = False  # the last layer's attention releases the step's rotary tables (set by GSRQCache)
         self._awaiting_attention = False
         self._clear()

@@ -10,8 +10,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
-from ..codecs.gsrq_codebooks import GSRQCodebooks
-from ..codecs.joint import CODEC_LAYOUTS, DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
+from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residual_vq
+from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks
+from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
@@ -73,9 +74,12 @@ def fit_gsrq_codebooks(
     """
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
-    for name, layout in (("key_layout", key_layout), ("value_layout", value_layout)):
-        if layout not in CODEC_LAYOUTS:
-            raise ValueError(f"{name} must be one of {CODEC_LAYOUTS}, got {layout!r}.")
+    for kind, layout in (("keys", key_layout), ("values", value_layout)):
+        if layout not in LAYOUTS[kind]:
+            raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {layout!r}.")
+    if key_layout == CONDITIONAL_LAYOUT and key_space != "pre_rope":
+        raise ValueError("key_layout='conditional_heads' predicts keys before RoPE (the prediction does not commute "
+                         "with the rotation): use key_space='pre_rope'.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
@@ -85,7 +89,8 @@ def fit_gsrq_codebooks(
         return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, kv_heads if layout == "joint_heads" else 1))
 
     def fitter(layout):
-        return fit_joint_head_residual_vq if layout == "joint_heads" else fit_transform_residual_vq
+        return {"joint_heads": fit_joint_head_residual_vq,
+                CONDITIONAL_LAYOUT: fit_conditional_head_residual_vq}.get(layout, fit_transform_residual_vq)
 
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
@@ -96,7 +101,7 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and "joint_heads" in (key_layout, value_layout):
+    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT} & {key_layout, value_layout}:
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
                          "key_layout='per_head', value_layout='per_head' (CLI: --key-layout per_head --value-layout "
                          "per_head).")

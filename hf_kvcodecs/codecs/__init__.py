@@ -1,5 +1,6 @@
 """Pure tensor math for KV codecs: no transformers import here."""
 
+from .conditional import ConditionalHeadResidualVQ, fit_conditional_head_residual_vq
 from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq
 from .kmeans import CODEBOOK_LEARNERS, fit_codebook, nearest_codeword
 from .residual import TransformResidualVQ, fit_transform_residual_vq, gaussian_rate_distortion_reference
@@ -10,6 +11,8 @@ __all__ = [
     "nearest_codeword",
     "TransformResidualVQ",
     "JointHeadResidualVQ",
+    "ConditionalHeadResidualVQ",
+    "fit_conditional_head_residual_vq",
     "fit_joint_head_residual_vq",
     "fit_transform_residual_vq",
     "gaussian_rate_distortion_reference",

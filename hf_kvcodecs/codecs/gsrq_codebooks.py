@@ -10,14 +10,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
 from .residual import FP16_SCALE_BITS, TransformResidualVQ, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
-# "value_layout", each "per_head" or "joint_heads" (tensors "*.shape.*" plus the per-head "*.log_scale_range")
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # version 1 files have fp16 scales; 1 and 2 are per-head
+# "value_layout", each "per_head" or "joint_heads" (tensors "*.shape.*" plus the per-head "*.log_scale_range");
+# 4: "key_layout" may also be "conditional_heads" (tensors "*.predictors" and one codec per head, "*.head.{h}.*")
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 files have fp16 scales; 1 and 2 are per-head
+LAYOUTS = {"keys": CODEC_LAYOUTS + (CONDITIONAL_LAYOUT,), "values": CODEC_LAYOUTS}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -68,8 +71,9 @@ class GSRQCodebooks:
         return min(c.bits_per_element() for c in self.key_codecs + self.value_codecs)
 
     def layout(self, kind: str) -> str:
-        """How ``kind`` ("keys"/"values") is coded: ``"per_head"`` (one code per head vector) or ``"joint_heads"``
-        (one code per token for all its heads)."""
+        """How ``kind`` ("keys"/"values") is coded: ``"per_head"`` (one code per head vector), ``"joint_heads"``
+        (one code per token for all its heads) or, keys only, ``"conditional_heads"`` (one code per head vector, each
+        head predicted from the heads decoded before it)."""
         return layout_of(self.config, kind)
 
     def stages_for_bits(self, bits: float, kind: str = "keys") -> int:
@@ -163,8 +167,8 @@ class GSRQCodebooks:
         group_dim = int(config["group_dim"])
         stats = metadata.get("stats", {})
         for kind in ("keys", "values"):
-            if layout_of(config, kind) not in CODEC_LAYOUTS:
-                raise CodebookFileError(f"{metadata_path}: {kind[:-1]}_layout must be one of {CODEC_LAYOUTS}, got "
+            if layout_of(config, kind) not in LAYOUTS[kind]:
+                raise CodebookFileError(f"{metadata_path}: {kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got "
                                         f"{layout_of(config, kind)!r}.")
         heads = int(metadata["fingerprint"]["num_key_value_heads"])
 
@@ -172,6 +176,8 @@ class GSRQCodebooks:
             prefix, codec_stats = f"layers.{index}.{kind}", _at(stats.get(kind), index)
             if layout_of(config, kind) == "joint_heads":
                 return JointHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
+            if layout_of(config, kind) == CONDITIONAL_LAYOUT:
+                return ConditionalHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
             return TransformResidualVQ.from_state_dict(tensors, prefix, group_dim, codec_stats)
 
         key_codecs, value_codecs = [], []
@@ -181,10 +187,15 @@ class GSRQCodebooks:
                 value_codecs.append(read("values", index))
         except KeyError as error:
             raise CodebookFileError(f"{tensors_path} lacks tensor {error}; the file is incomplete: re-run calibrate.") from error
+        except ValueError as error:  # a codec's own consistency checks (e.g. predictors of the wrong shape)
+            raise CodebookFileError(f"{tensors_path} holds inconsistent codebooks ({error}); re-run calibrate.") from error
         for codec in key_codecs + value_codecs:
             _validate_codec(codec, config, tensors_path)
         if config.get("key_space") not in KEY_SPACES:
             raise CodebookFileError(f"{metadata_path}: key_space must be one of {KEY_SPACES}, got {config.get('key_space')!r}.")
+        if layout_of(config, "keys") == CONDITIONAL_LAYOUT and config["key_space"] != "pre_rope":
+            raise CodebookFileError(f"{metadata_path}: conditional_heads keys must be coded before RoPE (key_space "
+                                    f"'pre_rope'), got {config['key_space']!r}; re-run calibrate.")
         inv_freq = tensors.get("rope.inv_freq")
         if config["key_space"] == "pre_rope" and inv_freq is None:
             raise CodebookFileError(f"{tensors_path} stores pre-RoPE key codebooks but lacks rope.inv_freq; re-run calibrate.")
@@ -204,6 +215,12 @@ def _at(items, index):
 
 
 def _validate_codec(codec, config: dict, path) -> None:
+    if isinstance(codec, ConditionalHeadResidualVQ):
+        if not bool(torch.isfinite(codec.predictors).all()):
+            raise CodebookFileError(f"{path} holds inconsistent codebooks (non-finite predictors); re-run calibrate.")
+        for head_codec in codec.head_codecs:
+            _validate_codec(head_codec, config, path)
+        return
     if isinstance(codec, JointHeadResidualVQ):
         problems = []
         heads = codec.num_heads

@@ -50,10 +50,12 @@ def _make_attention(original_name: str):
         layer.mark_attended()
         try:
             if not uses_codes(layer, query):  # prefill-sized blocks: the model's own attention on decoded states
+                layer.last_attention = "dequantize"
                 keys, values = layer.dequantized_keys_and_values()
                 return original_attention(original_name, module)(
                     module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
                 )
+            layer.last_attention = "codes"
             output = gsrq_layer_attention(layer, query, attention_mask, scaling)
             return output.transpose(1, 2).contiguous(), None
         finally:
