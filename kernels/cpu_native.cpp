@@ -255,6 +255,14 @@ HeadScales head_scales(const at::Tensor& scales, const c10::optional<at::Tensor>
           scale_levels->const_data_ptr<float>() + h * scale_levels->size(1)};
 }
 
+// Both key loops: rotary tables [B, N, D] for the coded tokens, and score rows long enough to hold them.
+void check_rotary_and_scores(const at::Tensor& cos, const at::Tensor& sin, int64_t batch, int64_t tokens, int64_t dim,
+                             int64_t out_stride) {
+  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
+        "rotary tables do not match the coded tokens");
+  check(out_stride >= tokens, "score rows shorter than the coded tokens");
+}
+
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
 // table [H, R, D] f32 (R >= S * K);
@@ -282,9 +290,7 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
   check(table.size(0) == heads && table.size(2) == dim && table.size(1) >= stages * codebook_size,
         "key table too small for these codes");
   check(mean.size(0) == heads && mean.size(1) == dim, "mean does not match heads/head_dim");
-  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
-        "rotary tables do not match the coded tokens");
-  check(out_stride >= tokens, "score rows shorter than the coded tokens");
+  check_rotary_and_scores(cos, sin, batch, tokens, dim, out_stride);
   const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
   const float* qp = q.const_data_ptr<float>();
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
@@ -345,9 +351,7 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
         "conditional key table too small for these codes");
   const int64_t table_rows = table.numel() / widths;
   check(mean.size(0) == heads && mean.size(1) == heads * dim, "conditional key mean must be [heads, heads * head_dim]");
-  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
-        "rotary tables do not match the coded tokens");
-  check(out_stride >= tokens, "score rows shorter than the coded tokens");
+  check_rotary_and_scores(cos, sin, batch, tokens, dim, out_stride);
   const int64_t blocks = (tokens + kBlockTokens - 1) / kBlockTokens;
   const float* qp = q.const_data_ptr<float>();
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
