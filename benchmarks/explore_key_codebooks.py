@@ -14,6 +14,10 @@ Four key codecs at 2 bits per element, the same jointly coded values (the defaul
   code path this would add a 64x(64h) matrix-vector product per token to the key loop (the prediction does not commute
   with RoPE, so it cannot move to the query side).
 
+Conditional keys have since become a layout of the cache (``hf-kvcodecs calibrate --key-layout conditional_heads``,
+:mod:`hf_kvcodecs.codecs.conditional`, with ridge-regularized predictors and a code-reading CPU loop); this script
+keeps its own plain least-squares version, which produced ``benchmarks/results/key_codebooks.md``.
+
 The last two are built here from the default calibration's own samples (same windows, seeds and fit settings) and
 decoded through the dequantize path; the first two go through the same path. Also reported: the keys' held-out relative
 MSE over all layers (the calibration's held-out windows).
