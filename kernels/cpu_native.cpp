@@ -58,13 +58,35 @@ struct HeadScales {
   float operator[](int64_t t) const { return values != nullptr ? values[t] : levels[index[t]]; }
 };
 
+// One rebuilt pre-RoPE key: rotated with its token's cos/sin, dotted with `rows` query rows, each score times
+// `factor` into out[m * out_stride]. Only the first half of each rotary row is read: in the rotate-half convention
+// both halves hold the same angles.
+template <int64_t kDim>
+inline void rotate_and_score(const Vec16* key, const float* c, const float* n, const float* q, int64_t rows,
+                             float* out, int64_t out_stride, float factor) {
+  constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
+  Vec16 rotated[kBlocks];
+  for (int64_t b = 0; b < kHalf; ++b) {
+    const Vec16 low = key[b], high = key[b + kHalf];
+    const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
+    rotated[b] = low * cb - high * sb;
+    rotated[b + kHalf] = high * cb + low * sb;
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* qm = q + m * kDim;
+    Vec16 acc = rotated[0] * load(qm);
+    for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
+    out[m * out_stride] = horizontal_sum(acc) * factor;
+  }
+}
+
 // head_dim a multiple of 32 (both rotary halves whole vectors), known at compile time.
 template <int64_t kDim>
 void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                               const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                               int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                               float scaling) {
-  constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
+  constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
   Vec16 mean_blocks[kBlocks];
   for (int64_t b = 0; b < kBlocks; ++b) mean_blocks[b] = load(mean + b * kLanes);
@@ -86,23 +108,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
       const float* row = table + (s * codebook_size + token_codes[s]) * kDim;
       for (int64_t b = 0; b < kBlocks; ++b) key[b] += load(row + b * kLanes);
     }
-    // Only the first half of each rotary row is read: in the rotate-half convention both halves hold the same angles.
-    const float* c = cos + t * kDim;
-    const float* n = sin + t * kDim;
-    Vec16 rotated[kBlocks];
-    for (int64_t b = 0; b < kHalf; ++b) {
-      const Vec16 low = key[b], high = key[b + kHalf];
-      const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
-      rotated[b] = low * cb - high * sb;
-      rotated[b + kHalf] = high * cb + low * sb;
-    }
-    const float factor = scales[t] * scaling;
-    for (int64_t m = 0; m < rows; ++m) {
-      const float* qm = q + m * kDim;
-      Vec16 acc = rotated[0] * load(qm);
-      for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
-      out[m * out_stride + t] = horizontal_sum(acc) * factor;
-    }
+    rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
   }
 }
 
@@ -118,7 +124,7 @@ void conditional_scores_block(const float* q, const uint8_t* codes, const HeadSc
                               const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                               int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages, int64_t codebook_size,
                               int64_t table_rows, int64_t begin, int64_t end, float scaling) {
-  constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
+  constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
   constexpr int64_t kLineFloats = 64 / sizeof(float);
   Vec16 key[kMaxConditionalHeads * kBlocks];
@@ -151,25 +157,9 @@ void conditional_scores_block(const float* q, const uint8_t* codes, const HeadSc
       for (int64_t b = 0; b < width_blocks; ++b) key[j * kBlocks + b] += scale * part[b];
       block += table_rows * width_blocks * kLanes;
     }
-    const float* c = cos + t * kDim;
-    const float* n = sin + t * kDim;
     for (int64_t h = 0; h < heads; ++h) {
-      const Vec16* head_key = key + h * kBlocks;
-      Vec16 rotated[kBlocks];
-      for (int64_t b = 0; b < kHalf; ++b) {
-        const Vec16 low = head_key[b], high = head_key[b + kHalf];
-        const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
-        rotated[b] = low * cb - high * sb;
-        rotated[b + kHalf] = high * cb + low * sb;
-      }
-      const float* qh = q + h * rows * kDim;
-      float* oh = out + h * rows * out_stride;
-      for (int64_t m = 0; m < rows; ++m) {
-        const float* qm = qh + m * kDim;
-        Vec16 acc = rotated[0] * load(qm);
-        for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
-        oh[m * out_stride + t] = horizontal_sum(acc) * scaling;
-      }
+      rotate_and_score<kDim>(key + h * kBlocks, cos + t * kDim, sin + t * kDim, q + h * rows * kDim, rows,
+                             out + h * rows * out_stride + t, out_stride, scaling);
     }
   }
 }
