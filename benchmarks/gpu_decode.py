@@ -7,7 +7,9 @@ Run on a machine with a CUDA GPU (one short run, a few minutes):
 For each context (8K-64K) and batch (1-16), one decode step of attention for a Llama-3-8B-shaped layer (32 query
 heads, 8 KV heads, head_dim 128) is timed with CUDA events (median of repeats after warm-up), for
   * ``sdpa-fp16``: ``torch.nn.functional.scaled_dot_product_attention`` over an fp16 KV cache;
-  * ``gsrq-triton``: ``hf_kvcodecs::coded_attention`` (Triton) over 2-bit GSRQ codes of the same length.
+  * ``gsrq-triton``: ``hf_kvcodecs::coded_attention`` (Triton) over 2-bit GSRQ codes of the same length;
+  * ``gsrq-triton-conditional``: the same codes read as keys coded conditionally across heads
+    (``--key-layout conditional_heads``: each head's key rebuilt from the codes of every head up to it).
 It reports the bytes each must read from HBM, the achieved bandwidth, and that bandwidth as a fraction of the device's
 peak (from a table of datasheet values when the device is known, and of the copy bandwidth measured in the same run).
 The codebooks are random (speed does not depend on their values); parity is checked against the reference first.
@@ -68,7 +70,17 @@ def main(argv=None) -> int:
         groups = (torch.arange(count) % (dim // group_dim)).to(device)
         return mean, synthesis, codebooks, groups
 
+    def conditional_codec(count):  # ConditionalHeadResidualVQ.attention_operands: pairs [source, target]
+        mean = 0.1 * torch.randn(kv_heads, kv_heads, dim, generator=generator)
+        synthesis = 0.5 * torch.linalg.qr(torch.randn(kv_heads, kv_heads, dim, dim, generator=generator))[0]
+        later = torch.arange(kv_heads)[:, None] > torch.arange(kv_heads)[None, :]
+        mean[later], synthesis[later] = 0.0, 0.0
+        codebooks = 0.3 * torch.randn(kv_heads, count, size, group_dim, generator=generator)
+        groups = (torch.arange(count) % (dim // group_dim)).expand(kv_heads, -1).contiguous()
+        return tuple(t.to(device) for t in (mean, synthesis, codebooks, groups))
+
     key_codec, value_codec = codec(stages), codec(stages)
+    conditional_key_codec = conditional_codec(stages)
     inv_freq = (1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim))).to(device)
 
     def timed(fn) -> float:
@@ -111,15 +123,17 @@ def main(argv=None) -> int:
             key_scales = (0.5 + torch.rand(batch, kv_heads, tokens, generator=generator)).half().to(device)
             value_scales = (0.5 + torch.rand(batch, kv_heads, tokens, generator=generator)).half().to(device)
             positions = torch.arange(tokens, dtype=torch.int32, device=device)[None].expand(batch, -1).contiguous()
-            arguments = (query, key_codes, key_scales, value_codes, value_scales, *key_codec, *value_codec, positions,
-                         inv_freq, 1.0, None, dim**-0.5)
-            if tokens <= 8192 or device == "cpu":  # parity on the first (smallest) sizes: the reference is slow
-                expected, _ = reference.coded_attention_reference(*arguments)
-                got, _ = coded_attention_triton(*arguments)
-                error = float((got - expected).abs().max())
-                if error > 1e-3:
-                    raise AssertionError(f"Triton kernel differs from the reference by {error} at B={batch} N={tokens}")
-            gsrq_seconds = timed(lambda: coded_attention_triton(*arguments))
+            timings = {}
+            for method, keys_codec in (("gsrq-triton", key_codec), ("gsrq-triton-conditional", conditional_key_codec)):
+                arguments = (query, key_codes, key_scales, value_codes, value_scales, *keys_codec, *value_codec,
+                             positions, inv_freq, 1.0, None, dim**-0.5)
+                if tokens <= 8192 or device == "cpu":  # parity on the first (smallest) sizes: the reference is slow
+                    expected, _ = reference.coded_attention_reference(*arguments)
+                    got, _ = coded_attention_triton(*arguments)
+                    error = float((got - expected).abs().max())
+                    if error > 1e-3:
+                        raise AssertionError(f"{method} differs from the reference by {error} at B={batch} N={tokens}")
+                timings[method] = timed(lambda: coded_attention_triton(*arguments))
             gsrq_bytes = (key_codes.numel() + value_codes.numel() + 2 * (key_scales.numel() + value_scales.numel())
                           + 4 * positions.numel())
 
@@ -128,7 +142,9 @@ def main(argv=None) -> int:
             query16 = query.half()
             sdpa_seconds = timed(lambda: F.scaled_dot_product_attention(query16, keys, values, enable_gqa=True))
             sdpa_bytes = 2 * (keys.numel() + values.numel())
-            for method, seconds, nbytes in (("sdpa-fp16", sdpa_seconds, sdpa_bytes), ("gsrq-triton", gsrq_seconds, gsrq_bytes)):
+            measured = [("sdpa-fp16", sdpa_seconds, sdpa_bytes)]
+            measured += [(method, seconds, gsrq_bytes) for method, seconds in timings.items()]
+            for method, seconds, nbytes in measured:
                 bandwidth = nbytes / seconds
                 rows.append({
                     "method": method, "batch": batch, "context": tokens, "microseconds": seconds * 1e6,

@@ -6,6 +6,8 @@ Same contract and math as ``coded_attention_reference``; it differs only in how 
   matrix), rotates it and dots it with the queries, one token at a time, then joins the exact tokens, softmax and
   values; without a compiler, one ``embedding_bag`` per chunk rebuilds the keys and PyTorch ops do the rest;
 * keys coded after RoPE: one ``embedding_bag`` over query-codebook lookup tables;
+* keys coded conditionally across heads: the compiled loop reads them from ``conditional_key_table`` (head_dim 64 or
+  128, at most 16 KV heads); elsewhere the reference rebuilds them chunk by chunk;
 * values: a histogram of probability x scale per codeword (compiled loops, or one ``scatter_add_``), multiplied by
   the codebooks once (in the compiled loops too), then by the synthesis matrix.
 Larger query blocks (prefill) go to the reference.
@@ -20,6 +22,8 @@ from . import reference
 from .cpu_native import native_ops
 
 CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogram sources) whatever the context
+CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for keys coded conditionally across heads is built for
+MAX_CONDITIONAL_HEADS = 16
 
 
 def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
@@ -29,6 +33,23 @@ def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_gro
     heads, transform_dim, dim = synthesis.shape
     rows = synthesis.reshape(heads, transform_dim // group_dim, group_dim, dim)[:, stage_groups.long()]  # [H, S, g, D]
     return torch.einsum("skg,hsgd->hskd", codebooks.float(), rows.float()).reshape(heads, stages * size, dim).contiguous()
+
+
+def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
+    """The flat table the compiled loop reads keys coded conditionally across heads from (operands as
+    ``ConditionalHeadResidualVQ.attention_operands``: synthesis ``[H, H, D, D]``, codebooks ``[H, S, K, g]``, groups
+    ``[H, S]``): blocks ``j = 0..H-1`` one after another, block ``j`` ``[S*K, (H-j)*D]``, row ``s*K + k`` codeword
+    ``k`` of head ``j``'s stage ``s`` placed in its group times ``synthesis[j, j:]`` (its part of heads ``j..H-1``)."""
+    heads, dim = synthesis.shape[0], synthesis.shape[-1]
+    blocks = []
+    for source in range(heads):
+        onward = folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source])  # [H-j, S*K, D]
+        blocks.append(onward.transpose(0, 1).reshape(-1))
+    return torch.cat(blocks).contiguous()
+
+
+def conditional_native_supports(dim: int, heads: int) -> bool:
+    return dim in CONDITIONAL_HEAD_DIMS and heads <= MAX_CONDITIONAL_HEADS
 
 
 def coded_attention_cpu(
@@ -42,7 +63,9 @@ def coded_attention_cpu(
     kv_heads, tokens, key_stages = key_scales.shape[1], key_codes.shape[2], key_codes.shape[3]
     rows = (query_heads // kv_heads) * query_length
     native = native_ops()
-    use_reference = rows > reference.LOOKUP_MAX_ROWS or tokens == 0
+    conditional = reference.is_conditional(key_synthesis)
+    use_reference = rows > reference.LOOKUP_MAX_ROWS or tokens == 0 or (
+        conditional and (native is None or positions is None or not conditional_native_supports(dim, kv_heads)))
     # 8-bit scales stay level indices only where the compiled loops look them up (pre-RoPE keys; values)
     if key_scale_levels is not None and (use_reference or native is None or positions is None):
         key_scales, key_scale_levels = reference.scale_values_from_levels(key_scale_levels, key_scales), None
@@ -55,16 +78,18 @@ def coded_attention_cpu(
             attention_scaling, mask, scaling,
         )
         return reference.join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling)
-    size = key_codebooks.shape[1]
+    size = key_codebooks.shape[-2]
     if positions is not None and native is not None:
+        fold = conditional_key_table if conditional else folded_key_table
         if key_table is None:
-            key_table = folded_key_table(key_synthesis, key_codebooks, key_stage_groups)
+            key_table = fold(key_synthesis, key_codebooks, key_stage_groups)
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
         return prerope_decode_attention(
-            native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, size,
+            native, query, key_codes, key_scales, key_scale_levels, key_table,
+            key_mean.reshape(kv_heads, -1) if conditional else key_mean, rotary_cos, rotary_sin, size,
             value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean,
-            value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask,
+            value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional,
         )
     q = query.float().reshape(batch, kv_heads, rows, dim)
     if key_scale_levels is None:
@@ -138,8 +163,8 @@ def prerope_decode_attention(
     the Python custom op's dispatch (about 60 us per layer and step with this many arguments).
 
     ``conditional_keys``: the keys are coded head by head, each conditionally on the heads before it; ``key_table``
-    and ``key_mean`` are then ``ConditionalHeadResidualVQ.conditional_key_table()``'s flat table and ``[H, H*D]``
-    mean."""
+    is then :func:`conditional_key_table`'s flat table and ``key_mean`` ``[H, H*D]`` (row ``j``: source head ``j``'s
+    mean pairs ``[H, D]`` flattened)."""
     batch, query_heads, query_length, dim = query.shape
     kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
     rows = (query_heads // kv_heads) * query_length

@@ -80,15 +80,20 @@ def coded_attention(
     ``[B, Lq, T]`` additive or None) the attention spans the coded region and those tokens with one softmax, and the
     output and log-sum-exp are over both: the CPU implementation then needs no separate merge.
 
+    Keys coded conditionally across heads (``ConditionalHeadResidualVQ.attention_operands``: key mean
+    ``[Hkv, Hkv, D]``, synthesis ``[Hkv, Hkv, D, D]``, codebooks ``[Hkv, S, K, g]``, stage groups ``[Hkv, S]``; always
+    with positions) are read by every implementation (``reference.conditional_dequantize_reference`` is the math).
+
     With ``key_scale_levels``/``value_scale_levels`` (``[Hkv, 256]`` fp32) the matching scales are the cache's 8-bit
     level indices (uint8) rather than values: the compiled CPU loops look them up per token; the other
     implementations convert them first.
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
-    ``cpu.folded_key_table``) and ``rotary_cos``/``rotary_sin`` (``[B, N, D]``, scaled, for the coded tokens'
-    positions, in transformers' rotate-half layout where both halves of a row are equal: the same for every layer of
-    a step, so the cache computes them once).
+    ``cpu.folded_key_table``; for conditional keys the flat ``cpu.conditional_key_table``) and
+    ``rotary_cos``/``rotary_sin`` (``[B, N, D]``, scaled, for the coded tokens' positions, in transformers'
+    rotate-half layout where both halves of a row are equal: the same for every layer of a step, so the cache
+    computes them once).
     """
     return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
                       key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,

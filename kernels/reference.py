@@ -9,6 +9,11 @@ stages of the stage's codeword written into its group's ``g`` components, ``synt
 ``s`` the per-vector scale. ``Dt = D`` for per-head codes; joint-head codes (one code per token for all ``Hkv``
 heads: codes ``[B, 1, N, S]``, each head reading them through its own synthesis slice) have ``Dt = Hkv * D``.
 Keys coded before RoPE are rotated with their own position after reconstruction.
+Keys coded conditionally across heads (``ConditionalHeadResidualVQ``, per-head codes ``[B, Hkv, N, S]`` read with
+each head's own codebooks ``[Hkv, S, K, g]`` and stage groups ``[Hkv, S]``) are rebuilt from every source head ``j``
+up to the target head ``h``: ``k_h = sum_j s_j * (mean[j, h] + z_j @ synthesis[j, h])`` (mean ``[Hkv, Hkv, D]``,
+synthesis ``[Hkv, Hkv, D, D]``, zero for ``j > h``); a 4-dimensional key synthesis marks them. They are always coded
+before RoPE.
 """
 
 from __future__ import annotations
@@ -124,6 +129,24 @@ def dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups
     return (x * scales.to(work)[..., None]).to(dtype)
 
 
+def is_conditional(key_synthesis: torch.Tensor) -> bool:
+    """Whether key operands describe keys coded conditionally across heads (synthesis ``[Hkv, Hkv, D, D]``)."""
+    return key_synthesis.ndim == 4
+
+
+def conditional_dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups, dtype=torch.float32):
+    """Keys coded conditionally across heads: codes ``[B, H, N, S]`` + scales ``[B, H, N]`` -> ``[B, H, N, D]``,
+    head ``h`` = ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h])`` with ``z_j`` from head ``j``'s codes and codebooks."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    heads = scales.shape[1]
+    keys = torch.zeros(*scales.shape, synthesis.shape[-1], dtype=work, device=codes.device)
+    for source in range(heads):
+        z = _transform_domain(codes[:, source], codebooks[source].to(work), stage_groups[source], synthesis.shape[-2])
+        part = mean[source].to(work)[None, :, None, :] + torch.einsum("bnd,hde->bhne", z, synthesis[source].to(work))
+        keys += part * scales[:, source].to(work)[:, None, :, None]
+    return keys.to(dtype)
+
+
 def coded_attention_reference(
     query: torch.Tensor,
     key_codes: torch.Tensor,
@@ -156,7 +179,12 @@ def coded_attention_reference(
     the key's position, so no position-free table exists). Values are not reconstructed: attention probabilities
     (times the token's scale) are accumulated per codeword into a histogram, which is multiplied by the codebooks once.
     With more than ``LOOKUP_MAX_ROWS`` query rows per KV head (prefill) both sides reconstruct chunks instead.
+    Keys coded conditionally across heads (:func:`is_conditional` operands) are reconstructed chunk by chunk as well.
     """
+    conditional = is_conditional(key_synthesis)
+    if conditional and positions is None:
+        raise ValueError("keys coded conditionally across heads are coded before RoPE: pass their positions and "
+                         "inv_freq.")
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens = key_scales.shape[1], key_codes.shape[2]
     group_count = query_heads // kv_heads
@@ -178,7 +206,8 @@ def coded_attention_reference(
         if positions is None and lookup:
             scores[..., start:end] = _lookup_scores(tables, codes) * scales[:, :, None, :]
         else:
-            keys = dequantize_reference(codes, scales, key_mean, key_synthesis, key_codebooks, key_stage_groups)
+            dequantize = conditional_dequantize_reference if conditional else dequantize_reference
+            keys = dequantize(codes, scales, key_mean, key_synthesis, key_codebooks, key_stage_groups)
             if positions is not None:
                 cos, sin = rotary_tables(positions[:, start:end], inv_freq, attention_scaling)
                 keys = _rotate(keys, cos[:, None], sin[:, None])

@@ -7,7 +7,8 @@ domain, so the per-head synthesis matrix is applied as rarely as the algebra all
 ``p * scale * z`` and are synthesized once per program; keys coded after RoPE are scored against the query multiplied
 by the synthesis transpose once; only keys coded before RoPE need ``z @ synthesis`` per token (the rotation depends on
 each key's position), done as fp32 `tl.dot` on [BLOCK_N, D] tiles and rotated in registers. Reconstructed vectors never leave
-registers. Every split writes a normalized partial output and its log-sum-exp; the host merges splits (and the exact
+registers. Keys coded conditionally across heads (``CONDITIONAL``) are rebuilt from every source head up to the
+program's head, each with its own codes, codebooks, scale and pair synthesis, then rotated as above. Every split writes a normalized partial output and its log-sum-exp; the host merges splits (and the exact
 sink/window regions) with one log-sum-exp merge.
 
 Reference: ``coded_attention_reference`` in ``reference.py`` (same arguments, same outputs).
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import softmax_with_lse
+from .reference import is_conditional, softmax_with_lse
 
 
 @triton.jit
@@ -41,6 +42,32 @@ def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_m
 
 
 @triton.jit
+def _conditional_keys(codes_ptr, scales_ptr, codebooks_ptr, groups_ptr, mean_ptr, synthesis_ptr, batch, head, tokens,
+                      token_mask, N, S, HKV, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """Pre-RoPE keys of ``head`` for a block of tokens, both halves ``[BLOCK_N, HALF]``, scales included:
+    ``sum_{j<=head} s_j (mean[j, head] + z_j @ synthesis[j, head])`` (codes ``[B, HKV, N, S]``, codebooks
+    ``[HKV, S, K, GD]``, groups ``[HKV, S]``, mean ``[HKV, HKV, D]``, synthesis ``[HKV, HKV, D, D]``)."""
+    halves = tl.arange(0, HALF)
+    transform = tl.arange(0, D)
+    keys_lo = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    keys_hi = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    for source in range(0, head + 1):
+        offsets = (batch * HKV + source) * N + tokens
+        z = _transform_tile(codes_ptr, codebooks_ptr + source * S * K * GD, groups_ptr + source * S, offsets,
+                            token_mask, S, K, GD, D, BLOCK_N)
+        pair = source * HKV + head
+        matrix = synthesis_ptr + pair * D * D + transform[:, None] * D
+        mean_lo = tl.load(mean_ptr + pair * D + halves)
+        mean_hi = tl.load(mean_ptr + pair * D + HALF + halves)
+        scale = tl.load(scales_ptr + offsets, mask=token_mask, other=0.0).to(tl.float32)[:, None]
+        keys_lo += scale * (mean_lo[None, :] + tl.dot(z, tl.load(matrix + halves[None, :]), input_precision="ieee"))
+        keys_hi += scale * (mean_hi[None, :] + tl.dot(z, tl.load(matrix + HALF + halves[None, :]),
+                                                      input_precision="ieee"))
+    return keys_lo, keys_hi
+
+
+@triton.jit
 def _coded_attention_kernel(
     q_ptr, key_codes_ptr, key_scales_ptr, value_codes_ptr, value_scales_ptr,
     key_mean_ptr, key_synthesis_ptr, key_codebooks_ptr, key_groups_ptr,
@@ -50,6 +77,7 @@ def _coded_attention_kernel(
     attention_scaling, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, KEY_DT_BLOCK: tl.constexpr,
     VALUE_DT_BLOCK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
+    CONDITIONAL: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -75,12 +103,13 @@ def _coded_attention_kernel(
         # (x_lo, x_hi) -> (x_lo cos - x_hi sin, x_hi cos + x_lo sin) needs no permutation of registers.
         q_lo = tl.load(q_rows + halves[None, :], mask=row_mask[:, None], other=0.0)
         q_hi = tl.load(q_rows + HALF + halves[None, :], mask=row_mask[:, None], other=0.0)
-        synthesis_lo = tl.load(key_synthesis_ptr + key_matrix + halves[None, :], mask=key_transform_mask[:, None],
-                               other=0.0)
-        synthesis_hi = tl.load(key_synthesis_ptr + key_matrix + HALF + halves[None, :], mask=key_transform_mask[:, None],
-                               other=0.0)
-        mean_lo = tl.load(key_mean_ptr + head * D + halves)
-        mean_hi = tl.load(key_mean_ptr + head * D + HALF + halves)
+        if not CONDITIONAL:  # (conditional keys read a pair of mean and synthesis per source head, in the loop)
+            synthesis_lo = tl.load(key_synthesis_ptr + key_matrix + halves[None, :], mask=key_transform_mask[:, None],
+                                   other=0.0)
+            synthesis_hi = tl.load(key_synthesis_ptr + key_matrix + HALF + halves[None, :],
+                                   mask=key_transform_mask[:, None], other=0.0)
+            mean_lo = tl.load(key_mean_ptr + head * D + halves)
+            mean_hi = tl.load(key_mean_ptr + head * D + HALF + halves)
         inv_freq = tl.load(inv_freq_ptr + halves)
     else:
         # Keys coded after RoPE: q . (mean + z @ synthesis) = q . mean + (q @ synthesis^T) . z, so the synthesis
@@ -106,12 +135,19 @@ def _coded_attention_kernel(
         key_offsets = (batch * KEY_CODE_HEADS + head % KEY_CODE_HEADS) * N + tokens
         value_offsets = (batch * VALUE_CODE_HEADS + head % VALUE_CODE_HEADS) * N + tokens
 
-        z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, key_offsets, token_mask, SK, K, GD,
-                            KEY_DT_BLOCK, BLOCK_N)
-        key_scale = tl.load(key_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
+        if CONDITIONAL:  # scales applied per source head, inside
+            keys_lo, keys_hi = _conditional_keys(key_codes_ptr, key_scales_ptr, key_codebooks_ptr, key_groups_ptr,
+                                                 key_mean_ptr, key_synthesis_ptr, batch, head, tokens, token_mask, N,
+                                                 SK, HKV, K, GD, D, HALF, BLOCK_N)
+            key_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
+        else:
+            z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, key_offsets, token_mask, SK, K, GD,
+                                KEY_DT_BLOCK, BLOCK_N)
+            key_scale = tl.load(key_scales_ptr + token_offsets, mask=token_mask, other=0.0).to(tl.float32)
+            if ROPE:
+                keys_lo = mean_lo[None, :] + tl.dot(z, synthesis_lo, input_precision="ieee")
+                keys_hi = mean_hi[None, :] + tl.dot(z, synthesis_hi, input_precision="ieee")
         if ROPE:
-            keys_lo = mean_lo[None, :] + tl.dot(z, synthesis_lo, input_precision="ieee")
-            keys_hi = mean_hi[None, :] + tl.dot(z, synthesis_hi, input_precision="ieee")
             position = tl.load(positions_ptr + batch * N + tokens, mask=token_mask, other=0).to(tl.float32)
             angle = position[:, None] * inv_freq[None, :]
             cos = tl.cos(angle) * attention_scaling
@@ -179,6 +215,9 @@ def coded_attention_triton(
         tokens_per_split = max(block_n, triton.cdiv(triton.cdiv(tokens, 64), block_n) * block_n)
     num_splits = triton.cdiv(tokens, tokens_per_split)
     rope = positions is not None
+    conditional = is_conditional(key_synthesis)
+    if conditional and not rope:
+        raise ValueError("keys coded conditionally across heads are coded before RoPE: pass their positions.")
     if rope:
         positions = positions.to(torch.int32).contiguous()
         inv_freq = inv_freq.float().contiguous()
@@ -196,11 +235,11 @@ def coded_attention_triton(
         value_stage_groups.to(torch.int32).contiguous(),
         positions, inv_freq, mask_tensor, out, lse,
         tokens, rows, query_length, key_codes.shape[-1], value_codes.shape[-1], kv_heads, key_codes.shape[1],
-        value_codes.shape[1], key_synthesis.shape[1], value_synthesis.shape[1], tokens_per_split, num_splits,
-        float(scaling), float(attention_scaling), K=key_codebooks.shape[1], GD=key_codebooks.shape[2], D=dim,
-        KEY_DT_BLOCK=triton.next_power_of_2(key_synthesis.shape[1]),
+        value_codes.shape[1], key_synthesis.shape[-2], value_synthesis.shape[1], tokens_per_split, num_splits,
+        float(scaling), float(attention_scaling), K=key_codebooks.shape[-2], GD=key_codebooks.shape[-1], D=dim,
+        KEY_DT_BLOCK=triton.next_power_of_2(key_synthesis.shape[-2]),
         VALUE_DT_BLOCK=triton.next_power_of_2(value_synthesis.shape[1]), HALF=dim // 2,
-        BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None, CONDITIONAL=conditional,
     )
     out = out.reshape(batch, kv_heads, num_splits, rows, dim)
     lse = lse.reshape(batch, kv_heads, num_splits, rows)

@@ -1,7 +1,6 @@
 """Keys coded head by head, each conditionally on the heads decoded before it (key_layout="conditional_heads")."""
 
 import json
-import logging
 import shutil
 
 import pytest
@@ -18,7 +17,7 @@ from hf_kvcodecs.kernels import reference
 from hf_kvcodecs.kernels.cpu import prerope_decode_attention
 from hf_kvcodecs.kernels.cpu_native import native_ops
 
-from .conftest import tiny_llama_config
+from .conftest import _tiny_codebooks, tiny_llama_config
 
 HEADS, DIM = 3, 64
 CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
@@ -172,19 +171,42 @@ def test_code_reading_generation_equals_dequantize_path(model64, conditional_dir
     assert torch.equal(got, expected)
 
 
-def test_without_the_compiled_loop_conditional_keys_are_dequantized_visibly(model64, conditional_dir, monkeypatch,
-                                                                            caplog):
-    from hf_kvcodecs.cache import attention
-
+@pytest.mark.parametrize("kernels", ["reference", "pytorch"])
+def test_without_the_compiled_loop_conditional_keys_are_still_read_from_codes(model64, conditional_dir, monkeypatch,
+                                                                              kernels):
+    """As on a machine without a C++ compiler: the op's PyTorch reference rebuilds the keys chunk by chunk."""
     ids = _prompt(batch=1)
     expected, _ = _generate(model64, ids, conditional_dir, "dequantize")
-    monkeypatch.setenv("HF_KVCODECS_KERNELS", "reference")  # as on a machine without a C++ compiler
-    monkeypatch.setattr(attention, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger="hf_kvcodecs.cache.attention"):
-        got, cache = _generate(model64, ids, conditional_dir, "auto")
-    assert cache.attention_path == "codes" and cache.layers[0].last_attention == "dequantize"
-    assert "conditional_heads" in caplog.text and "compiled CPU loops are unavailable" in caplog.text
+    monkeypatch.setenv("HF_KVCODECS_KERNELS", kernels)
+    assert native_ops() is None
+    got, cache = _generate(model64, ids, conditional_dir, "auto")
+    assert cache.attention_path == "codes" and cache.layers[0].last_attention == "codes"
     assert torch.equal(got, expected)
+
+
+def test_head_sizes_the_compiled_loop_is_not_built_for_read_codes_through_the_reference(tiny_model, tiny_token_stream,
+                                                                                        tmp_path):
+    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path, key_layout="conditional_heads")  # head_dim 16
+    ids = _prompt(batch=2, length=40)
+    expected, _ = _generate(tiny_model, ids, directory, "dequantize")
+    got, cache = _generate(tiny_model, ids, directory, "auto")
+    assert isinstance(cache.layers[0].key_codec, ConditionalHeadResidualVQ) and cache.layers[0].key_codec.head_dim == 16
+    assert cache.layers[0].last_attention == "codes"
+    assert torch.equal(got, expected)
+
+
+def test_attention_operands_describe_the_decoder(fitted):
+    """What every attention implementation reads (pairs of mean and synthesis per source and target head) rebuilds
+    exactly the codec's decoded keys, at the full rate and at a lower one."""
+    conditional, _, test = fitted
+    for codec in (conditional, conditional.truncated(5)):
+        codes, scales = codec.encode(test[:, :40])
+        mean, synthesis, codebooks, groups = codec.attention_operands()
+        assert synthesis.shape == (HEADS, HEADS, DIM, DIM) and codebooks.shape[:2] == (HEADS, codec.num_stages)
+        assert not synthesis[1, 0].any() and not mean[2, 1].any()  # no head reads a later one
+        rebuilt = reference.conditional_dequantize_reference(codes[None], codec.scale_values(scales)[None], mean,
+                                                             synthesis, codebooks, groups, torch.float64)[0]
+        torch.testing.assert_close(rebuilt.float(), codec.decode(codes, scales), rtol=1e-4, atol=1e-4)
 
 
 def test_files_round_trip_and_are_checked(conditional_dir, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
-from hf_kvcodecs.kernels.cpu import coded_attention_cpu, folded_key_table
+from hf_kvcodecs.kernels.cpu import coded_attention_cpu, conditional_key_table, folded_key_table
 from hf_kvcodecs.kernels.cpu_native import build_error, native_ops
 
 triton = pytest.importorskip("triton")
@@ -32,13 +32,29 @@ def random_codec(kv_heads, dim, stages, size, group_dim, generator, joint=False)
     return mean, synthesis, codebooks, groups
 
 
+def random_conditional_codec(kv_heads, dim, stages, size, group_dim, generator):
+    """Operands of keys coded conditionally across heads (``ConditionalHeadResidualVQ.attention_operands``): each
+    head's own codebooks and groups, mean and synthesis pairs ``[source, target]`` zero where source > target."""
+    mean = 0.3 * torch.randn(kv_heads, kv_heads, dim, generator=generator)
+    synthesis = 0.5 * torch.linalg.qr(torch.randn(kv_heads, kv_heads, dim, dim, generator=generator))[0]
+    later = torch.arange(kv_heads)[:, None] > torch.arange(kv_heads)[None, :]
+    mean[later], synthesis[later] = 0.0, 0.0
+    codebooks = 0.5 * torch.randn(kv_heads, stages, size, group_dim, generator=generator)
+    groups = torch.randint(0, dim // group_dim, (kv_heads, stages), generator=generator)
+    return mean, synthesis, codebooks, groups
+
+
 def make_problem(batch=2, kv_heads=2, group_count=3, query_length=1, tokens=70, dim=64, stages=5, size=16,
-                 group_dim=8, rope=True, padded=True, seed=0, joint=False):
-    """``joint``: False (per-head codes), True (joint-head keys and values) or "values" (the default layout)."""
+                 group_dim=8, rope=True, padded=True, seed=0, joint=False, conditional=False):
+    """``joint``: False (per-head codes), True (joint-head keys and values) or "values" (the default layout);
+    ``conditional``: keys coded conditionally across heads (values as ``joint`` says)."""
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, kv_heads * group_count, query_length, dim, generator=generator)
     key_joint, value_joint = joint is True, joint in (True, "values")
-    key_codec = random_codec(kv_heads, dim, stages, size, group_dim, generator, key_joint)
+    if conditional:
+        key_codec = random_conditional_codec(kv_heads, dim, stages, size, group_dim, generator)
+    else:
+        key_codec = random_codec(kv_heads, dim, stages, size, group_dim, generator, key_joint)
     value_codec = random_codec(kv_heads, dim, stages + 1, size, group_dim, generator, value_joint)
 
     def codes(count, shared):  # joint-head codes: one row per token, shared by the heads
@@ -75,7 +91,9 @@ def op_arguments(problem):
 
 def dequantize_then_attend(problem, dtype):
     """Plain PyTorch: decode every coded vector in ``dtype``, rotate, and attend in ``dtype``."""
-    keys = reference.dequantize_reference(problem["key_codes"], problem["key_scales"], *problem["key_codec"], torch.float64)
+    dequantize_keys = (reference.conditional_dequantize_reference if reference.is_conditional(problem["key_codec"][1])
+                       else reference.dequantize_reference)
+    keys = dequantize_keys(problem["key_codes"], problem["key_scales"], *problem["key_codec"], torch.float64)
     values = reference.dequantize_reference(problem["value_codes"], problem["value_scales"], *problem["value_codec"],
                                             torch.float64)
     if problem["positions"] is not None:
@@ -179,7 +197,11 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_coded_attention_matches_float64_within_pytorch_error(shape, rope, dtype):
-    problem = make_problem(rope=rope, **shape)
+    assert_within_pytorch_error(make_problem(rope=rope, **shape), dtype)
+
+
+def assert_within_pytorch_error(problem, dtype):
+    """Every implementation against float64 dequantize-then-attend, with the query in ``dtype``."""
     problem["query"] = problem["query"].to(dtype)
     truth, truth_lse = dequantize_then_attend(problem, torch.float64)
     plain, _ = dequantize_then_attend(problem, dtype)
@@ -193,6 +215,83 @@ def test_coded_attention_matches_float64_within_pytorch_error(shape, rope, dtype
         assert torch.allclose(lse.double(), truth_lse, atol=1e-4), name
 
 
+def add_exact_tokens(problem, dtype=torch.float32):
+    """The cache's sinks and window: 6 exact tokens per head, the first row's first two hidden (padding)."""
+    generator = torch.Generator().manual_seed(9)
+    batch, kv_heads, query_length = problem["query"].shape[0], problem["key_scales"].shape[1], problem["query"].shape[2]
+    dim = problem["query"].shape[-1]
+    exact_mask = torch.zeros(batch, query_length, 6)
+    exact_mask[0, :, :2] = -math.inf
+    problem["exact"] = (torch.randn(batch, kv_heads, 6, dim, generator=generator).to(dtype),
+                        torch.randn(batch, kv_heads, 6, dim, generator=generator).to(dtype), exact_mask)
+
+
+def assert_every_op_implementation_matches(args, truth, truth_lse, extra=()):
+    """Every implementation of the op, given its full argument list (exact tokens included), against the truth;
+    ``extra``: further (name, callable) pairs."""
+    triton_small_grid = functools.partial(coded_attention_triton, block_n=16, tokens_per_split=32)
+    for name, implementation in [
+        ("reference", lambda: ops._reference(*args)),
+        ("cpu-native", lambda: cpu_with("auto")(*(args[:13] + args[16:]))),
+        ("cpu-pytorch", lambda: cpu_with("pytorch")(*(args[:13] + args[16:]))),
+        ("triton", lambda: ops._joined(triton_small_grid, args)),
+        ("op", lambda: coded_attention(*args)),
+        *extra,
+    ]:
+        out, lse = implementation()
+        assert (out.double() - truth).abs().max() < 1e-5, name
+        assert torch.allclose(lse.double(), truth_lse, atol=1e-5), name
+    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
+
+
+CONDITIONAL_SHAPES = [
+    dict(dim=64, kv_heads=3, group_count=3, tokens=70, stages=12, joint="values"),  # SmolLM2-like
+    dict(dim=128, kv_heads=2, group_count=4, tokens=37, query_length=2),
+    dict(dim=32, kv_heads=3, group_count=2, tokens=41, stages=6),  # a head size the compiled loop is not built for
+]
+
+
+@pytest.mark.parametrize("shape", CONDITIONAL_SHAPES, ids=["dim64-gqa3", "dim128-queries2", "dim32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_conditional_keys_match_float64_within_pytorch_error(shape, dtype):
+    """Keys coded conditionally across heads: every implementation (compiled loop where it is built for the shape,
+    the reference elsewhere on CPU, Triton) against float64 dequantize-then-attend."""
+    assert_within_pytorch_error(make_problem(conditional=True, rope=True, **shape), dtype)
+
+
+def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table():
+    """The cache's call: exact tokens in the same softmax, 8-bit scale indices with their levels, and the compiled
+    loop's table built for a higher rate (lower rates read a prefix of each block)."""
+    problem = make_problem(conditional=True, rope=True, **CONDITIONAL_SHAPES[0])
+    add_exact_tokens(problem)
+    generator = torch.Generator().manual_seed(3)
+    batch, kv_heads, tokens = 2, 3, 70
+    levels = {name: torch.rand(kv_heads, 256, generator=generator) + 0.5 for name in ("key", "value")}
+    index = {name: torch.randint(0, 256, (batch, kv_heads, tokens), generator=generator, dtype=torch.uint8)
+             for name in ("key", "value")}
+    problem["key_scales"], problem["value_scales"] = (reference.scale_values_from_levels(levels[n], index[n])
+                                                      for n in ("key", "value"))
+    truth, truth_lse = dequantize_then_attend(problem, torch.float64)
+    mean, synthesis, codebooks, groups = problem["key_codec"]
+    args = op_arguments(problem) + list(problem["exact"]) + [levels["key"], levels["value"]]
+    args[2], args[4] = index["key"], index["value"]
+    with_table = list(args)
+    with_table[13] = conditional_key_table(synthesis, torch.cat([codebooks, codebooks[:, :3]], 1),
+                                           torch.cat([groups, groups[:, :3]], 1))
+    assert_every_op_implementation_matches(args, truth, truth_lse, extra=[
+        ("cpu-native-higher-rate-table", lambda: coded_attention_cpu(*with_table)),
+        ("op-higher-rate-table", lambda: coded_attention(*with_table)),
+    ])
+
+
+def test_conditional_keys_need_positions():
+    problem = make_problem(conditional=True, rope=False)
+    with pytest.raises(ValueError, match="coded before RoPE"):
+        reference.coded_attention_reference(*arguments(problem))
+    with pytest.raises(ValueError, match="coded before RoPE"):
+        coded_attention_triton(*arguments(problem))
+
+
 @pytest.mark.parametrize("rope", [True, False], ids=["keys-pre-rope", "keys-post-rope"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[6]], ids=["gqa3", "queries3", "joint-values"])
 @pytest.mark.parametrize("exact_dtype", [torch.float32, torch.bfloat16])
@@ -200,27 +299,9 @@ def test_exact_tokens_join_the_coded_attention_in_one_softmax(shape, rope, exact
     """With the cache's exact tokens (sinks, window) passed in, every implementation returns attention over coded and
     exact tokens together: the CPU one with a single softmax, the others by a log-sum-exp merge."""
     problem = make_problem(rope=rope, **shape)
-    generator = torch.Generator().manual_seed(9)
-    batch, kv_heads, query_length = problem["query"].shape[0], problem["key_scales"].shape[1], problem["query"].shape[2]
-    dim = problem["query"].shape[-1]
-    exact_mask = torch.zeros(batch, query_length, 6)
-    exact_mask[0, :, :2] = -math.inf  # e.g. padded sink tokens of the first row
-    problem["exact"] = (torch.randn(batch, kv_heads, 6, dim, generator=generator).to(exact_dtype),
-                        torch.randn(batch, kv_heads, 6, dim, generator=generator).to(exact_dtype), exact_mask)
+    add_exact_tokens(problem, exact_dtype)
     truth, truth_lse = dequantize_then_attend(problem, torch.float64)
-    args = op_arguments(problem) + list(problem["exact"])
-    triton_small_grid = functools.partial(coded_attention_triton, block_n=16, tokens_per_split=32)
-    for name, implementation in {
-        "reference": lambda: ops._reference(*args),
-        "cpu-native": lambda: cpu_with("auto")(*(args[:13] + args[16:])),
-        "cpu-pytorch": lambda: cpu_with("pytorch")(*(args[:13] + args[16:])),
-        "triton": lambda: ops._joined(triton_small_grid, args),
-        "op": lambda: coded_attention(*args),
-    }.items():
-        out, lse = implementation()
-        assert (out.double() - truth).abs().max() < 1e-5, name
-        assert torch.allclose(lse.double(), truth_lse, atol=1e-5), name
-    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
+    assert_every_op_implementation_matches(op_arguments(problem) + list(problem["exact"]), truth, truth_lse)
 
 
 @pytest.mark.parametrize("rope", [True, False], ids=["keys-pre-rope", "keys-post-rope"])

@@ -8,20 +8,15 @@ off per decoded token.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
-from ..kernels.cpu import prerope_decode_attention
+from ..kernels.cpu import conditional_native_supports, prerope_decode_attention
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
-
-logger = logging.getLogger(__name__)
-CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for conditionally coded keys is built for
-_warned: set[str] = set()
 
 
 def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int, device) -> torch.Tensor | None:
@@ -47,32 +42,9 @@ def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int,
 
 
 def uses_codes(layer, query: torch.Tensor) -> bool:
-    """Whether this call reads codes (decode-sized query blocks with a non-empty coded region, and a code-reading
-    implementation for the layer's key codec on this device)."""
+    """Whether this call reads codes: decode-sized query blocks with a non-empty coded region."""
     group_count = query.shape[1] // layer.key_codec.num_heads
-    decode_sized = layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
-    return decode_sized and conditional_keys_readable(layer, query)
-
-
-def conditional_keys_readable(layer, query: torch.Tensor) -> bool:
-    """Keys coded conditionally across heads are read from codes only by the compiled CPU loop (pre-RoPE keys, head_dim
-    64 or 128, at most 16 KV heads); elsewhere (CUDA, no C++ compiler, ``torch.compile``) such layers take the
-    dequantize path, and say so once (``layer.last_attention`` records the path of each call)."""
-    codec = layer.key_codec
-    if not isinstance(codec, ConditionalHeadResidualVQ):
-        return True
-    reasons = []
-    if query.device.type != "cpu":
-        reasons.append(f"the code-reading kernel for it runs on CPU only (query on {query.device.type})")
-    elif torch.compiler.is_compiling() or native_ops() is None:
-        reasons.append("the compiled CPU loops are unavailable (no C++ compiler, or inside torch.compile)")
-    if codec.head_dim not in CONDITIONAL_HEAD_DIMS or codec.num_heads > 16:
-        reasons.append(f"it is built for head_dim in {CONDITIONAL_HEAD_DIMS} and at most 16 KV heads")
-    if reasons and reasons[0] not in _warned:
-        _warned.add(reasons[0])
-        logger.warning("GSRQ: keys coded conditionally across heads (key_layout='conditional_heads') are dequantized "
-                       "for attention because %s.", "; ".join(reasons))
-    return not reasons
+    return layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
 
 
 def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -81,7 +53,7 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     Only for calls where :func:`uses_codes` holds; others go through the model's own attention on
     ``layer.dequantized_keys_and_values()``.
     """
-    batch, _, query_length, _ = query.shape
+    batch, _, query_length, dim = query.shape
     sinks, codes, window = layer.sink_keys.shape[-2], layer.key_codes.shape[-2], layer.window_keys.shape[-2]
     mask = additive_mask(attention_mask, batch, query_length, sinks + codes + window, query.device)
     exact_keys = torch.cat([layer.sink_keys, layer.window_keys], dim=-2)
@@ -91,41 +63,46 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
         exact_mask = torch.cat([mask[..., :sinks], mask[..., sinks + codes:]], dim=-1)
         coded_mask = mask[..., sinks:sinks + codes]
     key_codec, value_codec = layer.key_codec, layer.value_codec
+    conditional = isinstance(key_codec, ConditionalHeadResidualVQ)  # always coded before RoPE
     pre_rope = layer.key_space == "pre_rope"
     on_cpu = query.device.type == "cpu"
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
-    native = native_ops() if pre_rope and on_cpu and not torch.compiler.is_compiling() else None
-    if isinstance(key_codec, ConditionalHeadResidualVQ):  # uses_codes admits these layers only with the compiled loop
-        value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
-        out, _ = prerope_decode_attention(
-            native, query, layer.key_codes, key_scales, key_levels, *key_codec.conditional_key_table(), *rotary,
-            key_codec.codebook_size, layer.value_codes, value_scales, value_levels, value_codebooks,
-            value_stage_groups, value_mean, value_synthesis, coded_mask, scaling, exact_keys, exact_values,
-            exact_mask, conditional_keys=True,
-        )
-        return out.to(query.dtype)
+    # conditional keys of other shapes than the compiled loop's are rebuilt chunk by chunk by the op's reference
+    loop_fits = not conditional or conditional_native_supports(dim, key_codec.num_heads)
+    native = native_ops() if pre_rope and on_cpu and loop_fits and not torch.compiler.is_compiling() else None
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
+        key_table, key_mean = _cpu_key_table(key_codec)
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
         out, _ = prerope_decode_attention(
-            native, query, layer.key_codes, key_scales, key_levels, key_codec.folded_table(),
-            key_codec.attention_operands()[0], *rotary, key_codec.codebooks.shape[1], layer.value_codes,
+            native, query, layer.key_codes, key_scales, key_levels, key_table, key_mean, *rotary,
+            key_codec.codebook_size if conditional else key_codec.codebooks.shape[1], layer.value_codes,
             value_scales, value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, coded_mask,
-            scaling, exact_keys, exact_values, exact_mask,
+            scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional,
         )
         return out.to(query.dtype)
+    # CPU kernels rebuild pre-RoPE keys from the table (under torch.compile too); for conditional keys only the
+    # compiled loop does, elsewhere the op's reference reads the operands
+    wants_table = pre_rope and on_cpu and loop_fits and (not conditional or native_ops() is not None)
+    key_table = _cpu_key_table(key_codec)[0] if wants_table else None
     out, _ = coded_attention(
         query, layer.key_codes, key_scales, layer.value_codes, value_scales,
-        *key_codec.attention_operands(), *value_codec.attention_operands(),
-        key_codec.folded_table() if pre_rope and on_cpu else None, *rotary,
+        *key_codec.attention_operands(), *value_codec.attention_operands(), key_table, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
         layer.rope_inv_freq.to(query.device) if pre_rope else None,
         float(layer.rope_attention_scaling), coded_mask, float(scaling), exact_keys, exact_values, exact_mask,
         key_levels, value_levels,
     )
     return out.to(query.dtype)
+
+
+def _cpu_key_table(key_codec):
+    """(the table the compiled CPU loops rebuild keys from, the key mean they take with it)."""
+    if isinstance(key_codec, ConditionalHeadResidualVQ):
+        return key_codec.conditional_key_table()
+    return key_codec.folded_table(), key_codec.attention_operands()[0]
 
 
 def _scales_and_levels(codec, stored: torch.Tensor, device):

@@ -13,7 +13,8 @@ code per head vector at the per-head rate and removes the predictable part inste
 Decoding: ``r_h`` = head ``h``'s decoded residual, ``k^ = r @ M`` with ``M = (I - P)^-1`` (``P`` strictly block
 upper triangular, so ``M`` is block upper triangular with identity blocks on the diagonal): head ``h`` of a token is
 ``sum_{j<=h} s_j (mean_j + z_j @ synthesis_j) @ M[j, h]``. The compiled CPU attention reads keys that way from
-tables with ``synthesis_j @ M[j, j:]`` folded in (:meth:`ConditionalHeadResidualVQ.conditional_key_table`).
+tables with ``synthesis_j @ M[j, j:]`` folded in (:meth:`ConditionalHeadResidualVQ.conditional_key_table`); the
+``hf_kvcodecs::coded_attention`` op takes the pairs ``[j, h]`` (:meth:`ConditionalHeadResidualVQ.attention_operands`).
 
 Measured at 2 bits per element on the default model against the per-head codec with codebooks shared by the heads
 (``benchmarks/explore_key_codebooks.py``, two calibration seeds): teacher-forced KL -48 / -44 %, as low as the
@@ -56,6 +57,7 @@ class ConditionalHeadResidualVQ:
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _table_source: "ConditionalHeadResidualVQ | None" = field(default=None, repr=False, compare=False)
     _key_table: tuple | None = field(default=None, repr=False, compare=False)
+    _operands: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.head_codecs or any(codec.num_heads != 1 for codec in self.head_codecs):
@@ -199,27 +201,39 @@ class ConditionalHeadResidualVQ:
             )
 
     # ---- attention ------------------------------------------------------------------------------------------
-    def conditional_key_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table, mean) as the compiled CPU attention reads keys (``decode_attention(..., conditional_keys=True)``).
+    def attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mean ``[H, H, D]``, synthesis ``[H, H, D, D]``, codebooks ``[H, S, K, g]``, stage groups ``[H, S]``) as
+        the ``hf_kvcodecs::coded_attention`` op takes conditionally coded keys: entry ``[j, h]`` of mean and synthesis
+        is source head ``j``'s mean and synthesis times the mixing block ``M[j, h]`` (zero for ``j > h``), so head
+        ``h`` of a token is ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h])``, ``z_j`` read from head ``j``'s codes
+        with head ``j``'s codebooks."""
+        if self._operands is None or self._operands[0].device != self.predictors.device:
+            self._operands = self._build_operands()
+        return self._operands
 
-        ``table``: flat float32, the blocks ``j = 0..H-1`` one after another, block ``j`` ``[S'*K, (H-j)*D]``: row
-        ``s*K + k`` is codeword ``k`` of head ``j``'s stage ``s`` times ``synthesis_j @ M[j, j:]`` (its contribution to
-        heads ``j..H-1``; ``S'`` >= the stages in use: lower rates are prefixes). ``mean``: ``[H, H*D]``, row ``j``
-        ``mean_j @ M[j, :]``. A token's key for head ``h`` is ``sum_{j<=h} s_j (mean[j] + sum_s row_{j,s})[h]``.
-        """
+    def _build_operands(self):
+        dim, heads = self.head_dim, self.num_heads
+        mixing = self.mixing().reshape(heads, dim, heads, dim).transpose(1, 2)  # [source, target, D, D]
+        order = torch.arange(heads, device=mixing.device)
+        mixing = mixing * (order[:, None] <= order[None, :])[..., None, None]  # exact zeros: no head reads later ones
+        parts = [codec.attention_operands() for codec in self.head_codecs]
+        means = torch.stack([mean[0] @ mixing[j] for j, (mean, *_) in enumerate(parts)])  # [H, H, D]
+        synthesis = torch.stack([parts[j][1][0] @ mixing[j] for j in range(heads)])  # [H, H, D, D]
+        codebooks = torch.stack([codebooks for _, _, codebooks, _ in parts])
+        stage_groups = torch.stack([groups for *_, groups in parts])
+        return tuple(t.contiguous() for t in (means, synthesis, codebooks, stage_groups))
+
+    def conditional_key_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, mean) as the compiled CPU attention reads keys (``decode_attention(..., conditional_keys=True)``):
+        ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates read a prefix of every
+        block) and the mean pairs as ``[H, H*D]``."""
         source = self._table_source or self
         if source._key_table is None or source._key_table[0].device != self.predictors.device:
-            from ..kernels.cpu import folded_key_table
+            from ..kernels.cpu import conditional_key_table
 
-            dim = self.head_dim
-            mixing = source.mixing()
-            blocks, means = [], []
-            for j, codec in enumerate(source.head_codecs):
-                _, synthesis, codebooks, stage_groups = codec.attention_operands()
-                onward = mixing[j * dim : (j + 1) * dim, j * dim :]  # [D, (H-j)*D]
-                blocks.append(folded_key_table(synthesis @ onward, codebooks, stage_groups).reshape(-1))
-                means.append(codec.mean[0] @ mixing[j * dim : (j + 1) * dim])
-            source._key_table = (torch.cat(blocks).contiguous(), torch.stack(means).contiguous())  # mean [H, H*D]
+            mean, synthesis, codebooks, stage_groups = source._build_operands()  # not kept: the table replaces them
+            source._key_table = (conditional_key_table(synthesis, codebooks, stage_groups),
+                                 mean.reshape(self.num_heads, -1).contiguous())
         return source._key_table
 
     # ---- serialization --------------------------------------------------------------------------------------
