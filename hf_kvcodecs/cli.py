@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .codecs.gsrq_codebooks import LAYOUTS
 from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
@@ -91,6 +92,18 @@ def cmd_bench_decode(args) -> int:
                                    text=args.text, include_post_rope=not args.no_post_rope)
     _write_results(Path(args.out), "decode", results, decode_markdown(results))
     plot_decode_speed(results, Path(args.out) / "decode.png")
+    return 0
+
+
+def cmd_bench_split(args) -> int:
+    from .bench.bit_split import plot_split, run_bit_split_benchmark, split_markdown
+
+    loaded = _load(args)
+    results = run_bit_split_benchmark(loaded, average_bits=tuple(args.average_bits), offsets=tuple(args.offsets),
+                                      layouts=tuple(args.layouts), text=args.text,
+                                      calibration_text=_calibration_text(args), store=args.codebook_store)
+    _write_results(Path(args.out), "bit_split", results, split_markdown(results))
+    plot_split(results, Path(args.out) / "bit_split.png")
     return 0
 
 
@@ -307,6 +320,19 @@ def build_parser() -> argparse.ArgumentParser:
     codec.add_argument("--seeds", type=int, nargs="+", default=[0])
     codec.set_defaults(func=cmd_bench_codec)
     _add_bench_weights_command(bench)
+    split = bench.add_parser("split", help="GSRQ quality when keys and values get different shares of the bits")
+    _add_model_arguments(split)
+    split.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    split.add_argument("--average-bits", type=float, nargs="+", default=[2.0],
+                       help="average bits per K/V element of every split (default %(default)s)")
+    split.add_argument("--offsets", type=float, nargs="+", default=list(DEFAULT_OFFSETS),
+                       help="bits moved from values to keys: keys get average + offset, values average - offset "
+                            "(default %(default)s)")
+    split.add_argument("--layouts", nargs="+", default=list(SPLIT_LAYOUTS), choices=list(SPLIT_LAYOUTS))
+    split.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
+    split.add_argument("--calibration-text", nargs="+", default=None, help="calibration text (default: python-docs)")
+    split.add_argument("--codebook-store", type=Path, default=None, help="where calibrated codebooks are kept and reused")
+    split.set_defaults(func=cmd_bench_split)
     decode = bench.add_parser("decode", help="decode tokens/s and decode-time memory: code-reading GSRQ vs the rest")
     _add_model_arguments(decode)
     decode.add_argument("--out", type=Path, default=Path("benchmarks/results"))

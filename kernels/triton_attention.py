@@ -52,6 +52,8 @@ def _conditional_keys(codes_ptr, scales_ptr, codebooks_ptr, groups_ptr, mean_ptr
     transform = tl.arange(0, D)
     keys_lo = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     keys_hi = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    # Each source's [D, D] pair matrix is read again for every block of tokens (from L2: too many to keep in
+    # registers), about D*D*4 bytes per source and block against BLOCK_N * S code bytes; gpu_decode.py prices it.
     for source in range(0, head + 1):
         offsets = (batch * HKV + source) * N + tokens
         z = _transform_tile(codes_ptr, codebooks_ptr + source * S * K * GD, groups_ptr + source * S, offsets,

@@ -23,10 +23,14 @@ FULL = dict(context_len=1024, continuation_len=64, n_windows=4, greedy_prompts=2
 QUICK = dict(context_len=256, continuation_len=16, n_windows=1, greedy_prompts=1, greedy_tokens=8, passkey_trials=1,
              passkey_lengths=(256,), passkey_depths=(0.5,), speed_contexts=(256,), speed_tokens=4, speed_repeats=1)
 QUICK_CALIBRATION = dict(num_windows=4, holdout_windows=1, n_iter=4, fit_rows=2048)
+# The GSRQ cache settings every benchmark of the codec uses: a 32-token exact window, flushed every 32 tokens, 4 sinks.
+BENCH_CACHE_SETTINGS = dict(window_length=32, flush_interval=32, num_sink_tokens=4)
 
 
 def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), seeds=(0,), text=None,
-                 store=None, window_length: int = 32, flush_interval: int = 32, num_sink_tokens: int = 4,
+                 store=None, window_length: int = BENCH_CACHE_SETTINGS["window_length"],
+                 flush_interval: int = BENCH_CACHE_SETTINGS["flush_interval"],
+                 num_sink_tokens: int = BENCH_CACHE_SETTINGS["num_sink_tokens"],
                  calibration: dict | None = None, layout_variants: tuple = (), progress: bool = True) -> list[CacheMethod]:
     """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
