@@ -137,7 +137,7 @@ def plot_split(results: dict, path: Path) -> None:
             if control:
                 axis.plot([offset], [kl], "s", color=color, fillstyle="none", markersize=9,
                           label=f"{layout}, even split of codebooks calibrated at {average:g} bits")
-    axis.set_xlabel("bits per element moved from values to keys (keys = average + x, values = average − x)")
+    axis.set_xlabel("bits moved from values to keys (keys: average + x, values: average − x)")
     axis.set_ylabel("KL(reference ‖ GSRQ), nats per token")
     axis.set_yscale("log")
     axis.grid(True, alpha=0.3)
