@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
+from .bench.harness import BASELINE_IDS
+from .bench.kv import GSRQ_LEARNERS
 from .codecs.gsrq_codebooks import LAYOUTS
 from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
@@ -63,7 +65,9 @@ def cmd_bench_kv(args) -> int:
 
     loaded = _load(args)
     results = run_kv_benchmark(loaded, out=args.out, text=args.text or None, calibration_text=_calibration_text(args),
-                               quick=args.quick, seeds=args.seeds, store=args.codebook_store)
+                               quick=args.quick, seeds=args.seeds, store=args.codebook_store, learners=args.learners,
+                               key_layout=args.key_layout, value_layout=args.value_layout,
+                               layout_variants=args.layout_variants, baselines=args.baselines)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -306,6 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
     kv.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="calibration seeds: GSRQ is calibrated and measured once per seed and learner")
+    kv.add_argument("--learners", nargs="+", default=None, choices=list(GSRQ_LEARNERS),
+                    help="codebook learners to calibrate and measure (default: all of them)")
+    kv.add_argument("--key-layout", default=None, choices=list(LAYOUTS["keys"]),
+                    help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
+    kv.add_argument("--value-layout", default=None, choices=list(LAYOUTS["values"]),
+                    help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
+    kv.add_argument("--no-layout-variants", dest="layout_variants", action="store_false",
+                    help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
+                         "use the default layout)")
+    kv.add_argument("--baselines", nargs="*", default=None, choices=list(BASELINE_IDS),
+                    help="transformers caches to measure (default: all; the full-precision reference always runs)")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

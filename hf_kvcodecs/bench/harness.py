@@ -75,13 +75,31 @@ def full_precision_method(model: PreTrainedModel) -> CacheMethod:
     )
 
 
-def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128) -> list[CacheMethod]:
+# Short names for the shipped baselines (the CLI's ``--baselines``), in the order they are measured.
+BASELINE_IDS = {
+    "quanto-4": "quanto 4-bit (per-channel keys)",
+    "quanto-2": "quanto 2-bit (per-channel keys)",
+    "quanto-2-per-token": "quanto 2-bit (default per-token keys)",
+    "hqq-4": "hqq 4-bit (axis 1)",
+    "hqq-2": "hqq 2-bit (axis 1)",
+}
+
+
+def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128,
+                      only: Sequence[str] | None = None) -> list[CacheMethod]:
     """The full-precision ``DynamicCache`` and transformers' ``QuantizedCache`` at its best settings, not only defaults.
 
     quanto 4- and 2-bit with per-channel keys (``axis_key=-1``, KIVI-style) and per-token values, and quanto 2-bit with
     the default per-token keys so that its collapse is visible. HQQ (``axis=1`` for keys and values, its better
     setting) is listed with a skip reason when the ``hqq`` package does not import.
+
+    ``only`` (keys of :data:`BASELINE_IDS`) keeps those quantized caches; the full-precision reference is always
+    first, since every quality number and speed ratio is measured against it.
     """
+    if only is not None:
+        unknown = sorted(set(only) - set(BASELINE_IDS))
+        if unknown:
+            raise ValueError(f"Unknown baseline(s) {unknown}; choose from {list(BASELINE_IDS)}.")
     shape = model_fingerprint(model.config)
     kv_heads, head_dim = shape["num_key_value_heads"], shape["head_dim"]
     group_size = 64
@@ -107,6 +125,9 @@ def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128) -> 
         )
         method.skip_reason = hqq_problem
         methods.append(method)
+    if only is not None:
+        kept = {BASELINE_IDS[key] for key in only}
+        methods = [methods[0]] + [method for method in methods[1:] if method.name in kept]
     return methods
 
 

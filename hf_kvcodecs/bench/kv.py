@@ -6,6 +6,8 @@ import math
 from pathlib import Path
 
 from ..cache import GSRQCache
+from ..codecs.gsrq_codebooks import LAYOUTS
+from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..calibration.store import ensure_codebooks
 from ..integrations.attention import enable_code_attention
@@ -31,11 +33,13 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
                  store=None, window_length: int = BENCH_CACHE_SETTINGS["window_length"],
                  flush_interval: int = BENCH_CACHE_SETTINGS["flush_interval"],
                  num_sink_tokens: int = BENCH_CACHE_SETTINGS["num_sink_tokens"],
-                 calibration: dict | None = None, layout_variants: tuple = (), progress: bool = True) -> list[CacheMethod]:
+                 calibration: dict | None = None, layout: tuple[str, dict] = ("", {}), layout_variants: tuple = (),
+                 progress: bool = True) -> list[CacheMethod]:
     """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
-    luck of one k-means run. ``layout_variants`` (``(description, settings)`` pairs) add l2 codebooks of the first
-    seed with other codec layouts, measured in the same run.
+    luck of one k-means run. ``layout`` (``(description, settings)``, see :func:`codec_layout`) is the codec layout
+    of those rows (default: the calibration defaults); ``layout_variants`` (more such pairs) add l2 codebooks of the
+    first seed with other codec layouts, measured in the same run.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
@@ -44,7 +48,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
         raise ValueError("seeds must name at least one calibration seed.")
     attention_path = "codes" if enable_code_attention(loaded.model) else "dequantize"
     methods = []
-    runs = [(learner, seed, "", {}) for learner in learners for seed in seeds]
+    runs = [(learner, seed, *layout) for learner in learners for seed in seeds]
     runs += [("l2", seeds[0], description, settings) for description, settings in layout_variants]
     for learner, seed, variant, layout in runs:
         codebooks, directory, reused = ensure_codebooks(
@@ -55,7 +59,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
             cache_settings = dict(codebooks=codebooks, bits=bits, window_length=window_length,
                                   flush_interval=flush_interval, num_sink_tokens=num_sink_tokens)
             seed_label = f", seed {seed}" if len(seeds) > 1 else ""
-            label = (f"GSRQ ({learner} codebooks{seed_label})" if learner.startswith("gskm")
+            label = (f"GSRQ ({learner} codebooks{seed_label}{variant})" if learner.startswith("gskm")
                      else f"same codec, l2 k-means codebooks{seed_label}{variant}")
             methods.append(CacheMethod(
                 name=f"{label} {bits:g}-bit",
@@ -83,22 +87,48 @@ def layout_family(layout: dict) -> str:
 # next to the default, on the same seed.
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
+# How row labels name a layout that differs from the calibration default.
+_LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "conditional_heads": "conditional on earlier heads"}
+
+
+def codec_layout(key_layout: str | None = None, value_layout: str | None = None) -> tuple[str, dict]:
+    """``(label suffix, calibration settings)`` for rows calibrated with these layouts (``None``: the default)."""
+    defaults = {"keys": DEFAULT_KEY_LAYOUT, "values": DEFAULT_VALUE_LAYOUT}
+    chosen = {"keys": key_layout or defaults["keys"], "values": value_layout or defaults["values"]}
+    for kind, value in chosen.items():
+        if value not in LAYOUTS[kind]:
+            raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {value!r}.")
+    changed = {kind: value for kind, value in chosen.items() if value != defaults[kind]}
+    words = [f"{kind} {_LAYOUT_WORDS[value]}" for kind, value in changed.items()]
+    return "".join(", " + word for word in words), {f"{kind[:-1]}_layout": value for kind, value in changed.items()}
 
 
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
-                     seeds=(0,), store=None, progress: bool = True) -> dict:
+                     seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
+                     value_layout: str | None = None, layout_variants: bool = True, baselines=None) -> dict:
+    """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
+    reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
+    ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
+    ``layout_variants`` is true, the l2 codebooks of the first seed with the other layouts of :data:`LAYOUT_VARIANTS`.
+    """
+    learners = tuple(learners or GSRQ_LEARNERS)
+    unknown = sorted(set(learners) - set(GSRQ_LEARNERS))
+    if unknown:
+        raise ValueError(f"Unknown learner(s) {unknown} for bench kv; choose from {list(GSRQ_LEARNERS)}.")
+    layout = codec_layout(key_layout, value_layout)
+    variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and not quick else ()
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
-    methods = shipped_baselines(loaded.model) + gsrq_methods(
-        loaded, seeds=tuple(seeds), text=calibration_text, store=store, progress=progress,
-        calibration=QUICK_CALIBRATION if quick else None, layout_variants=() if quick else LAYOUT_VARIANTS,
+    methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
+        loaded, seeds=tuple(seeds), learners=learners, text=calibration_text, store=store, progress=progress,
+        calibration=QUICK_CALIBRATION if quick else None, layout=layout, layout_variants=variants,
     )
     results = evaluate_methods(
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,
         model_description=loaded.description, progress=progress, **(QUICK if quick else FULL),
     )
-    results["command"] = ("hf-kvcodecs bench kv" + (" --quick" if quick else "")
-                          + (f" --seeds {' '.join(map(str, seeds))}" if tuple(seeds) != (0,) else "") + f" --model {loaded.name}")
+    results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
+                                    layout_variants=layout_variants, baselines=baselines)
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 
@@ -183,3 +213,13 @@ def memory_markdown(results: dict) -> str:
         for row in results["rows"]:
             lines.append(f"| {row['method']} | " + " | ".join(f"{row[k]:.4f}" for k in error_keys) + " |")
     return "\n".join(lines) + "\n"
+
+
+def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines) -> str:
+    """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports)."""
+    options = [("--quick", quick), (f"--seeds {' '.join(map(str, seeds))}", tuple(seeds) != (0,)),
+               (f"--learners {' '.join(learners)}", tuple(learners) != tuple(GSRQ_LEARNERS)),
+               *((f"--{name.replace('_', '-')} {value}", True) for name, value in layout.items()),
+               ("--no-layout-variants", not layout_variants and not layout),
+               (" ".join(["--baselines", *(baselines or ())]), baselines is not None)]
+    return " ".join(["hf-kvcodecs bench kv", *(option for option, given in options if given), f"--model {model_name}"])
