@@ -46,7 +46,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-        args.contexts, args.batches, args.kv_heads, args.query_heads, args.head_dim, args.repeats = [96], [1], 1, 2, 32, 1
+        # two KV heads: the conditional keys' second head reads the first head's codes (cross-head offsets)
+        args.contexts, args.batches, args.kv_heads, args.query_heads, args.head_dim, args.repeats = [96], [1], 2, 4, 32, 1
 
     import torch
     import torch.nn.functional as F
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
                     if error > 1e-3:
                         raise AssertionError(f"{method} differs from the reference by {error} at B={batch} N={tokens}")
                 timings[method] = timed(lambda: coded_attention_triton(*arguments))
+            # what every GSRQ row must read from memory: codes, scales, positions (the conditional kernel also
+            # re-reads a [D, D] pair matrix per source head and token block, mostly from L2: not counted, so its
+            # bandwidth column is a lower bound on the traffic, not a comparable efficiency)
             gsrq_bytes = (key_codes.numel() + value_codes.numel() + 2 * (key_scales.numel() + value_scales.numel())
                           + 4 * positions.numel())
 
@@ -172,7 +176,9 @@ def main(argv=None) -> int:
 def markdown(results: dict) -> str:
     lines = [f"GPU decode attention on {results['device']} ({results['date']}, torch {results['torch']}); "
              f"shape {results['shape']}; datasheet {results['datasheet_bandwidth_gb_s']} GB/s, measured copy "
-             f"{results['measured_copy_bandwidth_gb_s'] and round(results['measured_copy_bandwidth_gb_s'])} GB/s", "",
+             f"{results['measured_copy_bandwidth_gb_s'] and round(results['measured_copy_bandwidth_gb_s'])} GB/s. "
+             "MB read: what each method must read (GSRQ: codes, scales, positions; the conditional-key row also "
+             "re-reads its pair matrices per token block, not counted).", "",
              "| method | batch | context | µs | MB read | GB/s | of datasheet peak | of measured copy | × SDPA |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:

@@ -59,6 +59,7 @@ def coded_attention_cpu(
     key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
     exact_keys=None, exact_values=None, exact_mask=None, key_scale_levels=None, value_scale_levels=None,
 ):
+    reference.check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens, key_stages = key_scales.shape[1], key_codes.shape[2], key_codes.shape[3]
     rows = (query_heads // kv_heads) * query_length

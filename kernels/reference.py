@@ -136,15 +136,33 @@ def is_conditional(key_synthesis: torch.Tensor) -> bool:
 
 def conditional_dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups, dtype=torch.float32):
     """Keys coded conditionally across heads: codes ``[B, H, N, S]`` + scales ``[B, H, N]`` -> ``[B, H, N, D]``,
-    head ``h`` = ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h])`` with ``z_j`` from head ``j``'s codes and codebooks."""
+    head ``h`` = ``sum_{j <= h} s_j (mean[j, h] + z_j @ synthesis[j, h])`` with ``z_j`` from head ``j``'s codes and
+    codebooks (the pairs with ``j > h`` are zero by construction; like the kernels, this never reads them)."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     heads = scales.shape[1]
     keys = torch.zeros(*scales.shape, synthesis.shape[-1], dtype=work, device=codes.device)
     for source in range(heads):
         z = _transform_domain(codes[:, source], codebooks[source].to(work), stage_groups[source], synthesis.shape[-2])
-        part = mean[source].to(work)[None, :, None, :] + torch.einsum("bnd,hde->bhne", z, synthesis[source].to(work))
-        keys += part * scales[:, source].to(work)[:, None, :, None]
+        onward = torch.einsum("bnd,hde->bhne", z, synthesis[source, source:].to(work))
+        part = mean[source, source:].to(work)[None, :, None, :] + onward
+        keys[:, source:] += part * scales[:, source].to(work)[:, None, :, None]
     return keys.to(dtype)
+
+
+def check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks) -> None:
+    """Clear errors for operands whose codebooks do not match the codes (every implementation of the op calls it):
+    each code indexes one stage, so codebooks must have exactly as many stages as the codes (a lower rate passes
+    its prefix of the stages, as ``codec.truncated(...).attention_operands()`` does)."""
+    for kind, codes, codebooks, per_head in (("key", key_codes, key_codebooks, is_conditional(key_synthesis)),
+                                             ("value", value_codes, value_codebooks, False)):
+        expected = 4 if per_head else 3
+        if codebooks.ndim != expected:
+            raise ValueError(f"{kind}_codebooks must be {'[Hkv, S, K, g]' if per_head else '[S, K, g]'}, got shape "
+                             f"{tuple(codebooks.shape)}.")
+        if codebooks.shape[-3] != codes.shape[-1]:
+            raise ValueError(f"{kind}_codebooks have {codebooks.shape[-3]} stages but the {kind} codes have "
+                             f"{codes.shape[-1]}: pass the codebooks of the rate the codes were made at "
+                             "(codec.truncated(stages).attention_operands()).")
 
 
 def coded_attention_reference(
@@ -181,6 +199,7 @@ def coded_attention_reference(
     With more than ``LOOKUP_MAX_ROWS`` query rows per KV head (prefill) both sides reconstruct chunks instead.
     Keys coded conditionally across heads (:func:`is_conditional` operands) are reconstructed chunk by chunk as well.
     """
+    check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     conditional = is_conditional(key_synthesis)
     if conditional and positions is None:
         raise ValueError("keys coded conditionally across heads are coded before RoPE: pass their positions and "

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import is_conditional, softmax_with_lse
+from .reference import check_coded_operands, is_conditional, softmax_with_lse
 
 
 @triton.jit
@@ -53,7 +53,9 @@ def _conditional_keys(codes_ptr, scales_ptr, codebooks_ptr, groups_ptr, mean_ptr
     keys_lo = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     keys_hi = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
     # Each source's [D, D] pair matrix is read again for every block of tokens (from L2: too many to keep in
-    # registers), about D*D*4 bytes per source and block against BLOCK_N * S code bytes; gpu_decode.py prices it.
+    # registers), about D*D*4 bytes per source and block against BLOCK_N * S code bytes, plus a [BLOCK_N, D] x [D, D]
+    # product per source: gpu_decode.py times this path next to the per-head one (its byte count leaves the pair
+    # matrices out).
     for source in range(0, head + 1):
         offsets = (batch * HKV + source) * N + tokens
         z = _transform_tile(codes_ptr, codebooks_ptr + source * S * K * GD, groups_ptr + source * S, offsets,
@@ -202,6 +204,7 @@ def coded_attention_triton(
     block_n: int = 32, tokens_per_split: int | None = None,
 ):
     """Same contract as ``coded_attention_reference``; launches ``_coded_attention_kernel`` then merges the splits."""
+    check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens = key_scales.shape[1], key_codes.shape[2]
     rows = (query_heads // kv_heads) * query_length

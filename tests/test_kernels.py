@@ -292,6 +292,26 @@ def test_conditional_keys_need_positions():
         coded_attention_triton(*arguments(problem))
 
 
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional-keys", "per-head-keys"])
+@pytest.mark.parametrize("kind", ["key", "value"])
+def test_codebooks_with_other_stage_counts_than_the_codes_are_refused(conditional, kind):
+    """Codes index one codebook per stage: codebooks of another rate would be read at the wrong offsets (the Triton
+    kernel steps through conditional keys' per-head codebooks by the codes' stage count). Every implementation says
+    so instead."""
+    problem = make_problem(conditional=conditional, rope=True, batch=1, tokens=20)
+    mean, synthesis, codebooks, groups = problem[f"{kind}_codec"]
+    stage_axis = codebooks.ndim - 3
+    problem[f"{kind}_codec"] = (mean, synthesis, torch.cat([codebooks, codebooks.narrow(stage_axis, 0, 2)], stage_axis),
+                                torch.cat([groups, groups.narrow(-1, 0, 2)], -1))
+    args = arguments(problem)
+    for name, implementation in [("reference", lambda: reference.coded_attention_reference(*args)),
+                                 ("cpu", lambda: coded_attention_cpu(*op_arguments(problem))),
+                                 ("triton", lambda: coded_attention_triton(*args)),
+                                 ("op", lambda: coded_attention(*op_arguments(problem)))]:
+        with pytest.raises(ValueError, match=f"{kind}_codebooks have .* stages but the {kind} codes have"):
+            implementation()
+
+
 @pytest.mark.parametrize("rope", [True, False], ids=["keys-pre-rope", "keys-post-rope"])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3], SHAPES[6]], ids=["gqa3", "queries3", "joint-values"])
 @pytest.mark.parametrize("exact_dtype", [torch.float32, torch.bfloat16])
