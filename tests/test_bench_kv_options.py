@@ -1,13 +1,15 @@
 """`bench kv` options that choose its rows: learners, codec layout, layout variants, baselines."""
 
 import shlex
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hf_kvcodecs import GSRQCodebooks
 from hf_kvcodecs.bench import kv
 from hf_kvcodecs.bench.harness import BASELINE_IDS, shipped_baselines
-from hf_kvcodecs.cli import build_parser
+from hf_kvcodecs import cli
 from hf_kvcodecs.models import LoadedModel
 
 
@@ -59,20 +61,64 @@ def test_gsrq_rows_follow_learners_seeds_and_layout(calibrations, tiny_model):
     assert [(m.extra["seed"], m.extra["bits"]) for m in methods] == [(0, 1.0), (0, 2.0), (1, 1.0), (1, 2.0)]
 
 
-def test_the_recorded_command_reproduces_the_run():
-    layout = kv.codec_layout("conditional_heads")[1]
-    command = kv.kv_command("default", quick=False, seeds=(0, 1), learners=("l2",), layout=layout,
-                            layout_variants=True, baselines=["quanto-4", "quanto-2"])
-    assert command == ("hf-kvcodecs bench kv --seeds 0 1 --learners l2 --key-layout conditional_heads "
-                       "--baselines quanto-4 quanto-2 --model default")
-    args = build_parser().parse_args(shlex.split(command)[1:])
-    assert (args.seeds, args.learners, args.key_layout, args.value_layout, args.baselines, args.layout_variants) == (
-        [0, 1], ["l2"], "conditional_heads", None, ["quanto-4", "quanto-2"], True)
-    default = kv.kv_command("default", quick=False, seeds=(0,), learners=tuple(kv.GSRQ_LEARNERS), layout={},
-                            layout_variants=True, baselines=None)
-    assert default == "hf-kvcodecs bench kv --model default"
-    bare = kv.kv_command("m", quick=True, seeds=(0,), learners=tuple(kv.GSRQ_LEARNERS), layout={},
-                         layout_variants=False, baselines=[])
-    assert bare == "hf-kvcodecs bench kv --quick --no-layout-variants --baselines --model m"
-    args = build_parser().parse_args(shlex.split(bare)[1:])
-    assert args.baselines == [] and not args.layout_variants
+@pytest.fixture
+def runs(monkeypatch, calibrations, tiny_model, tmp_path):
+    """`hf-kvcodecs bench kv ...` through the CLI with the model load, text and measurements stubbed out: returns a
+    function from a command line to (the rows it would measure, the command it records)."""
+    loaded = LoadedModel(tiny_model, None, "tiny model dir", "tiny random model")
+    monkeypatch.setattr(cli, "_load", lambda args: loaded)
+    monkeypatch.setattr(kv, "load_corpus", lambda text, default: SimpleNamespace(description=str(text or default)))
+    monkeypatch.setattr(kv, "tokenize_corpus", lambda tokenizer, corpus: torch.arange(100))
+    measured = []
+
+    def fake_evaluate(model, tokenizer, methods, **settings):
+        measured.append([method.name for method in methods])
+        return {"methods": []}
+
+    def fake_reports(results, out):
+        measured.append(results["command"])
+        (tmp_path / "results.md").write_text("table")
+        return {"markdown": tmp_path / "results.md"}
+
+    monkeypatch.setattr(kv, "evaluate_methods", fake_evaluate)
+    monkeypatch.setattr(kv, "write_reports", fake_reports)
+
+    def run(command):
+        assert cli.main(shlex.split(command)[1:]) == 0
+        rows, recorded = measured[-2:]
+        return rows, recorded
+
+    return run
+
+
+def test_the_recorded_command_reproduces_the_run(runs):
+    threads = torch.get_num_threads()
+    rows, recorded = runs(f"hf-kvcodecs bench kv --model 'tiny model dir' --threads {threads} --seeds 0 1 "
+                          "--learners l2 --key-layout conditional_heads --baselines quanto-4 quanto-2 "
+                          "--text a.txt 'b c.txt' --out somewhere")
+    assert rows == ["fp32 DynamicCache", "quanto 4-bit (per-channel keys)", "quanto 2-bit (per-channel keys)"] + [
+        f"same codec, l2 k-means codebooks, seed {seed}, keys conditional on earlier heads {bits}-bit"
+        for seed in (0, 1) for bits in (1, 2)]
+    assert recorded == (f"hf-kvcodecs bench kv --threads {threads} --seeds 0 1 --learners l2 --key-layout "
+                        "conditional_heads --baselines quanto-4 quanto-2 --text a.txt 'b c.txt' --model 'tiny model dir'")
+    assert runs(recorded) == (rows, recorded)  # the recorded command measures the same rows and records itself
+
+
+def test_layout_variants_run_only_next_to_default_l2_rows(runs):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines")
+    assert rows[0] == "fp32 DynamicCache" and len(rows) == 1 + 2 * 2 + 2 * len(kv.LAYOUT_VARIANTS)
+    assert any(row.endswith(", keys conditional on earlier heads 2-bit") for row in rows)
+    assert recorded.endswith("bench kv --threads %d --baselines --model 'tiny model dir'" % torch.get_num_threads())
+    rows, _ = runs("hf-kvcodecs bench kv --baselines --learners gskm-principal")  # no l2 rows: no variants
+    assert rows == ["fp32 DynamicCache"] + [f"GSRQ (gskm-principal codebooks) {bits}-bit" for bits in (1, 2)]
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines --no-layout-variants --learners l2")
+    assert rows == ["fp32 DynamicCache"] + [f"same codec, l2 k-means codebooks {bits}-bit" for bits in (1, 2)]
+    assert "--no-layout-variants" in recorded
+
+
+def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
+    with pytest.raises(ValueError, match="at most once"):
+        runs("hf-kvcodecs bench kv --learners l2 l2")
+    with pytest.raises(SystemExit):  # argparse: not a choice
+        runs("hf-kvcodecs bench kv --baselines quanto-8")
+    assert calibrations == []

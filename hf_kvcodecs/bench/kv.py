@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
+
+import torch
 
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS
@@ -113,10 +116,11 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     """
     learners = tuple(learners or GSRQ_LEARNERS)
     unknown = sorted(set(learners) - set(GSRQ_LEARNERS))
-    if unknown:
-        raise ValueError(f"Unknown learner(s) {unknown} for bench kv; choose from {list(GSRQ_LEARNERS)}.")
+    if unknown or len(set(learners)) < len(learners):
+        raise ValueError(f"learners must name each of {list(GSRQ_LEARNERS)} at most once, got {list(learners)}.")
     layout = codec_layout(key_layout, value_layout)
-    variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and not quick else ()
+    # the variants are l2 codebooks next to the default layout's l2 rows
+    variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
@@ -128,7 +132,8 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
         model_description=loaded.description, progress=progress, **(QUICK if quick else FULL),
     )
     results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
-                                    layout_variants=layout_variants, baselines=baselines)
+                                    layout_variants=layout_variants, baselines=baselines, text=text,
+                                    calibration_text=calibration_text, threads=torch.get_num_threads())
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 
@@ -215,11 +220,22 @@ def memory_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines) -> str:
-    """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports)."""
-    options = [("--quick", quick), (f"--seeds {' '.join(map(str, seeds))}", tuple(seeds) != (0,)),
-               (f"--learners {' '.join(learners)}", tuple(learners) != tuple(GSRQ_LEARNERS)),
-               *((f"--{name.replace('_', '-')} {value}", True) for name, value in layout.items()),
-               ("--no-layout-variants", not layout_variants and not layout),
-               (" ".join(["--baselines", *(baselines or ())]), baselines is not None)]
-    return " ".join(["hf-kvcodecs bench kv", *(option for option, given in options if given), f"--model {model_name}"])
+def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
+               text=None, calibration_text=None, threads: int | None = None) -> str:
+    """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
+    ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
+    def words(value):
+        return [value] if isinstance(value, str) else list(value)
+
+    options = [
+        (["--threads", str(threads)], threads is not None), (["--quick"], quick),
+        (["--seeds", *map(str, seeds)], tuple(seeds) != (0,)),
+        (["--learners", *learners], tuple(learners) != tuple(GSRQ_LEARNERS)),
+        *(([f"--{name.replace('_', '-')}", value], True) for name, value in layout.items()),
+        (["--no-layout-variants"], not layout_variants and not layout),
+        (["--baselines", *(baselines or ())], baselines is not None),
+        (["--text", *words(text or ())], text is not None),
+        (["--calibration-text", *words(calibration_text or ())], calibration_text is not None),
+        (["--model", model_name], True),
+    ]
+    return shlex.join(["hf-kvcodecs", "bench", "kv", *(word for option, given in options if given for word in option)])
