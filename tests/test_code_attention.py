@@ -142,7 +142,9 @@ def test_fallback_when_the_attention_implementation_has_no_stand_in(tiny_codeboo
 def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
     torch.manual_seed(0)
     plain = LlamaForCausalLM(tiny_llama_config()).eval()
-    cache = GSRQCache(plain.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED)
+    with pytest.raises(ValueError, match="enable_code_attention"):  # given the config, the cache refuses at once
+        GSRQCache(plain.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED)
+    cache = GSRQCache(codebooks=tiny_codebooks_dir, attention="codes", **CODED)  # without it, at the second pass
     ids = _prompt(batch=1)
     with torch.inference_mode():
         first = plain(ids, cache=cache).logits

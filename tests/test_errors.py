@@ -182,3 +182,133 @@ def test_joint_layout_round_trips_and_its_files_are_checked(tiny_joint_codebooks
     save_file(tensors, str(target / TENSORS_FILE))
     with pytest.raises(CodebookFileError, match="log_scale_range .* is not \\[2, 2\\]"):
         GSRQCodebooks.load(target)
+
+
+# ---- found by a review of bad-input paths (2026-12-01) ------------------------------------------------------------
+def _edit_metadata(directory, tmp_path, edit):
+    target = _copy(directory, tmp_path)
+    metadata = json.loads((target / METADATA_FILE).read_text())
+    edit(metadata)
+    (target / METADATA_FILE).write_text(json.dumps(metadata))
+    return target
+
+
+def _set(*path_and_value):
+    *path, value = path_and_value
+
+    def edit(metadata):
+        node = metadata
+        for key in path[:-1]:
+            node = node[key]
+        if value is _DELETE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return edit
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_set("config", _DELETE), "KeyError: 'config'"),
+    (_set("num_layers", "two"), "num_layers='two'"),
+    (_set("num_layers", 0), "num_layers=0"),
+    (_set("num_layers", 1), r"num_layers=1 \(fingerprint: 2 layers\)"),
+    (_set("config", "group_dim", 0), "group_dim=0"),
+    (_set("stats", "x"), "config and stats objects"),
+    (_set("format_version", True), "format_version=True"),
+    (_set("format_version", "4"), "format_version='4'"),
+    (_set("rope_attention_scaling", float("nan")), "rope_attention_scaling must be a positive finite number"),
+    (_set("rope_attention_scaling", 0), "rope_attention_scaling must be a positive finite number"),
+], ids=["no-config", "layers-text", "no-layers", "fewer-layers", "group-dim-0", "stats-text", "version-bool",
+        "version-text", "scaling-nan", "scaling-0"])
+def test_damaged_descriptions_are_codebook_file_errors(tiny_codebooks_dir, tmp_path, edit, message):
+    with pytest.raises(CodebookFileError, match=message):
+        GSRQCodebooks.load(_edit_metadata(tiny_codebooks_dir, tmp_path, edit))
+
+
+def test_deeply_nested_or_huge_descriptions_are_refused_without_parsing(tiny_codebooks_dir, tmp_path):
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    (target / METADATA_FILE).write_text("[" * 100_000)
+    with pytest.raises(CodebookFileError, match="nests too deeply"):
+        GSRQCodebooks.load(target)
+    with open(target / METADATA_FILE, "wb") as handle:
+        handle.truncate(65 * 2**20)  # sparse: no memory or disk spent
+    with pytest.raises(CodebookFileError, match="more than a codebook description ever needs"):
+        GSRQCodebooks.load(target)
+
+
+@pytest.mark.parametrize("corrupt", ["nan", "short", "2-d"])
+def test_rotary_frequencies_are_checked_on_load(tiny_codebooks_dir, tmp_path, corrupt):
+    from safetensors.torch import load_file, save_file
+
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    tensors = load_file(str(target / TENSORS_FILE))
+    inv_freq = tensors["rope.inv_freq"]
+    tensors["rope.inv_freq"] = {"nan": torch.full_like(inv_freq, float("nan")), "short": inv_freq[:3].clone(),
+                                "2-d": inv_freq[None].clone()}[corrupt]
+    save_file(tensors, str(target / TENSORS_FILE))
+    with pytest.raises(CodebookFileError, match="rope.inv_freq must hold 8 positive finite rotary frequencies"):
+        GSRQCodebooks.load(target)
+
+
+def test_codebooks_for_a_model_with_other_rope(tiny_codebooks_dir):
+    other = LlamaForCausalLM(tiny_llama_config(rope_theta=500000.0)).eval()
+    with pytest.raises(ValueError, match=r"RoPE default \(theta 10000.0\).*theta 500000.0.*wrong frequencies"):
+        GSRQCache(other.config, codebooks=tiny_codebooks_dir)
+
+
+@pytest.mark.parametrize("option, value", [("bits", "two"), ("bits", float("nan")), ("bits", True), ("bits", [2]),
+                                           ("key_bits", float("inf")), ("value_bits", 0)])
+def test_bit_rates_must_be_positive_numbers(tiny_model, tiny_codebooks_dir, option, value):
+    with pytest.raises(ValueError, match=f"{option} must be a positive number of bits per KV element"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **{option: value})
+
+
+def test_other_option_types(tiny_model, tiny_codebooks_dir):
+    with pytest.raises(ValueError, match="window_length must be a non-negative integer, got True"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, window_length=True)
+    with pytest.raises(ValueError, match="config must be the model's transformers config"):
+        GSRQCache({"num_hidden_layers": 2}, codebooks=tiny_codebooks_dir)
+
+
+def test_code_attention_requested_for_a_model_that_does_not_read_codes(tiny_codebooks_dir):
+    model = LlamaForCausalLM(tiny_llama_config()).eval()  # plain SDPA: would get placeholders, not keys
+    with pytest.raises(ValueError, match=r"attention='codes' needs .*hf_kvcodecs.enable_code_attention\(model\)"):
+        GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention="codes")
+
+
+def test_meta_device_models_are_refused_clearly(tiny_codebooks_dir):
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config()).eval()
+    with pytest.raises(ValueError, match="'meta' device"):
+        model(torch.tensor([[5, 6, 7]], device="meta"), cache=GSRQCache(codebooks=tiny_codebooks_dir))
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(bits=0), "bits must be a positive number"),
+    (dict(bits=float("nan")), "bits must be a positive number"),
+    (dict(group_dim=0), "group_dim must be a positive integer"),
+    (dict(group_dim=5), "group_dim=5 must divide the model's head_dim=16"),
+    (dict(num_windows=0), "num_windows must be a positive integer"),
+], ids=["bits-0", "bits-nan", "group-dim-0", "group-dim-5", "no-windows"])
+def test_calibration_settings_are_checked_before_any_activation_is_collected(tiny_model, monkeypatch, settings,
+                                                                             message):
+    from hf_kvcodecs.calibration import gsrq as calibration
+
+    def collected(*args, **kwargs):
+        raise AssertionError("activations were collected before the settings were checked")
+
+    monkeypatch.setattr(calibration, "collect_kv_samples", collected)
+    with pytest.raises(ValueError, match=message):
+        calibration.fit_gsrq_codebooks(tiny_model, torch.arange(10_000) % 100, text_info={}, **settings)
+
+
+def test_calibration_out_must_not_be_a_file(tiny_model, tmp_path):
+    from hf_kvcodecs.calibration import fit_gsrq_codebooks
+
+    (tmp_path / "file").write_text("keep me")
+    with pytest.raises(ValueError, match="is a file; codebooks are saved as a directory"):
+        fit_gsrq_codebooks(tiny_model, torch.arange(10_000) % 100, text_info={}, out=tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "keep me"

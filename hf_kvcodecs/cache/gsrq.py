@@ -14,6 +14,7 @@ after decoding. Positions are recorded once per cache (not per layer) in a share
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -132,6 +133,9 @@ class GSRQLayer(CacheLayerMixin):
 
     # ---- CacheLayerMixin surface ----------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.device.type == "meta":
+            raise ValueError("GSRQCache codes real key and value vectors: a model on the 'meta' device has none. Load "
+                             "the weights (e.g. model.to_empty(...) and load a state dict) before generating.")
         self.device, self.dtype = key_states.device, key_states.dtype
         if key_states.shape[1] != self.key_codec.num_heads or key_states.shape[-1] != self.key_codec.head_dim:
             raise ValueError(
@@ -340,6 +344,13 @@ def load_codebooks(source) -> GSRQCodebooks:
     raise TypeError(f"codebooks must be a GSRQCodebooks object or a directory path, got {type(source).__name__}.")
 
 
+def _rate(name: str, value) -> float:
+    """A bit rate from ``cache_config``, or a clear error naming the option."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of bits per KV element (e.g. 2.0), got {value!r}.")
+    return float(value)
+
+
 class GSRQCache(Cache):
     """A KV cache that stores the history as GSRQ residual-VQ codes.
 
@@ -389,8 +400,10 @@ class GSRQCache(Cache):
                 "hf_kvcodecs carries its codebooks and sets this for you."
             )
         for name, value in (("window_length", window_length), ("flush_interval", flush_interval), ("num_sink_tokens", num_sink_tokens)):
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        if config is not None and not callable(getattr(config, "get_text_config", None)):
+            raise ValueError(f"config must be the model's transformers config (model.config), got {type(config).__name__}.")
         if flush_interval < 1:
             raise ValueError("flush_interval must be at least 1.")
         if attention not in ATTENTION_CHOICES:
@@ -400,9 +413,9 @@ class GSRQCache(Cache):
         self.codebooks = load_codebooks(codebooks)
         if config is not None:
             self.codebooks.check_fits(config)
-        self.bits = DEFAULT_BITS if bits is None else float(bits)
-        self.key_bits = self.bits if key_bits is None else float(key_bits)
-        self.value_bits = self.bits if value_bits is None else float(value_bits)
+        self.bits = DEFAULT_BITS if bits is None else _rate("bits", bits)
+        self.key_bits = self.bits if key_bits is None else _rate("key_bits", key_bits)
+        self.value_bits = self.bits if value_bits is None else _rate("value_bits", value_bits)
         key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
         value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()
@@ -424,9 +437,16 @@ class GSRQCache(Cache):
         ]
         super().__init__(layers=layers)
         self.attention = attention
+        implementation = None if config is None else config.get_text_config(decoder=True)._attn_implementation
         if attention == "auto":
-            implementation = None if config is None else config.get_text_config(decoder=True)._attn_implementation
             attention = "codes" if is_code_attention(implementation) else "dequantize"
+        elif attention == "codes" and config is not None and not is_code_attention(implementation):
+            # the layers would hand the model's own attention placeholders instead of keys and values
+            raise ValueError(
+                f"attention='codes' needs the model on hf_kvcodecs' code-reading attention, but it uses "
+                f"{implementation!r}: call hf_kvcodecs.enable_code_attention(model) first "
+                "(generate(cache_implementation='gsrq') does), or use attention='auto'."
+            )
         self.attention_path = attention
         for layer in self.layers:
             layer.attention_path = attention

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def fit_gsrq_codebooks(
     rate-distortion reference. ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` choose the
     codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are).
     """
+    _check_settings(bits=bits, group_dim=group_dim, num_windows=num_windows, holdout_windows=holdout_windows,
+                    window_tokens=window_tokens, out=out)
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
     for kind, layout in (("keys", key_layout), ("values", value_layout)):
@@ -84,6 +87,8 @@ def fit_gsrq_codebooks(
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
     kv_heads = fingerprint["num_key_value_heads"]
+    if head_dim % group_dim:
+        raise ValueError(f"group_dim={group_dim} must divide the model's head_dim={head_dim} (e.g. 8).")
 
     def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
         return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, kv_heads if layout == "joint_heads" else 1))
@@ -171,3 +176,15 @@ def fit_gsrq_codebooks(
         codebooks.save(out)
     logger.info("calibrated %s codebooks in %.1fs: %s", learner, finished - started, calibration["holdout_mean"])
     return codebooks
+
+
+def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tokens, out) -> None:
+    """Settings checked before any activation is collected (a bad one would otherwise surface minutes later)."""
+    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits < math.inf:
+        raise ValueError(f"bits must be a positive number of bits per KV element (e.g. 2), got {bits!r}.")
+    for name, value in (("group_dim", group_dim), ("num_windows", num_windows), ("holdout_windows", holdout_windows),
+                        ("window_tokens", window_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; codebooks are saved as a directory: pass a directory path.")

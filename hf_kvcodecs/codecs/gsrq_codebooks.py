@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,8 @@ FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 4: "key_layout" may also be "conditional_heads" (tensors "*.predictors" and one codec per head, "*.head.{h}.*")
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 files have fp16 scales; 1 and 2 are per-head
+# The JSON description is a few hundred KB for a 30-layer model; a file far larger is not one (and is not parsed).
+MAX_METADATA_BYTES = 64 * 2**20
 LAYOUTS = {"keys": CODEC_LAYOUTS + (CONDITIONAL_LAYOUT,), "values": CODEC_LAYOUTS}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
@@ -106,6 +109,17 @@ class GSRQCodebooks:
                     f"model has {key}={actual[key]}. Calibrate codebooks for this model with "
                     "`hf-kvcodecs calibrate --model <model> --out DIR` and pass that directory."
                 )
+        # Pre-RoPE keys are rotated with the frequencies stored at calibration: another RoPE would misplace every key.
+        stored_theta, stored_type = self.fingerprint.get("rope_theta"), self.fingerprint.get("rope_type")
+        if self.key_space == "pre_rope" and (
+                (stored_type is not None and stored_type != actual["rope_type"])
+                or (stored_theta is not None and not math.isclose(stored_theta, actual["rope_theta"], rel_tol=1e-6))):
+            raise ValueError(
+                f"These GSRQ codebooks were calibrated for a model with RoPE {stored_type} (theta {stored_theta}), but "
+                f"this model uses RoPE {actual['rope_type']} (theta {actual['rope_theta']}): keys coded before RoPE "
+                "would be rotated at the wrong frequencies. Calibrate codebooks for this model with "
+                "`hf-kvcodecs calibrate --model <model> --out DIR`."
+            )
 
     # ---- persistence ----------------------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -145,15 +159,21 @@ class GSRQCodebooks:
                     f"{path} does not exist. A GSRQ codebook directory holds {METADATA_FILE} and {TENSORS_FILE}; "
                     "create one with `hf-kvcodecs calibrate --model <model> --out DIR`."
                 )
+        if metadata_path.stat().st_size > MAX_METADATA_BYTES:
+            raise CodebookFileError(f"{metadata_path} is {metadata_path.stat().st_size} bytes, more than a codebook "
+                                    f"description ever needs ({MAX_METADATA_BYTES}); it is not a GSRQ codebook file.")
         try:
             metadata = json.loads(metadata_path.read_text())
+        except RecursionError as error:
+            raise CodebookFileError(f"{metadata_path} nests too deeply to be a GSRQ codebook file.") from error
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CodebookFileError(f"{metadata_path} is not valid JSON ({error}); the file is corrupt: re-run calibrate.") from error
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise CodebookFileError(f"{metadata_path} is not a GSRQ codebook file (format={metadata.get('format') if isinstance(metadata, dict) else None!r}).")
-        if metadata.get("format_version") not in READABLE_VERSIONS:
+        version = metadata.get("format_version")
+        if type(version) is not int or version not in READABLE_VERSIONS:  # (not True, 4.0 or "4")
             raise CodebookFileError(
-                f"{metadata_path} has format_version={metadata.get('format_version')}, this hf_kvcodecs reads versions "
+                f"{metadata_path} has format_version={version!r}, this hf_kvcodecs reads versions "
                 f"{list(READABLE_VERSIONS)}. Upgrade hf_kvcodecs or re-run calibrate."
             )
         try:
@@ -162,15 +182,11 @@ class GSRQCodebooks:
             raise CodebookFileError(
                 f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run calibrate or re-download it."
             ) from error
-        config = metadata["config"]
-        num_layers = int(metadata["num_layers"])
-        group_dim = int(config["group_dim"])
-        stats = metadata.get("stats", {})
+        config, num_layers, group_dim, heads, stats = _described_shape(metadata, metadata_path)
         for kind in ("keys", "values"):
             if layout_of(config, kind) not in LAYOUTS[kind]:
                 raise CodebookFileError(f"{metadata_path}: {kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got "
                                         f"{layout_of(config, kind)!r}.")
-        heads = int(metadata["fingerprint"]["num_key_value_heads"])
 
         def read(kind, index):
             prefix, codec_stats = f"layers.{index}.{kind}", _at(stats.get(kind), index)
@@ -199,10 +215,39 @@ class GSRQCodebooks:
         inv_freq = tensors.get("rope.inv_freq")
         if config["key_space"] == "pre_rope" and inv_freq is None:
             raise CodebookFileError(f"{tensors_path} stores pre-RoPE key codebooks but lacks rope.inv_freq; re-run calibrate.")
+        head_dim = key_codecs[0].head_dim
+        if inv_freq is not None and (inv_freq.shape != (head_dim // 2,) or not inv_freq.is_floating_point()
+                                     or not torch.isfinite(inv_freq).all() or not (inv_freq > 0).all()):
+            raise CodebookFileError(f"{tensors_path}: rope.inv_freq must hold {head_dim // 2} positive finite rotary "
+                                    f"frequencies, got a {inv_freq.dtype} tensor of shape {tuple(inv_freq.shape)}; "
+                                    "the file is corrupt: re-run calibrate.")
+        scaling = metadata.get("rope_attention_scaling", 1.0)
+        if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 < scaling < math.inf:
+            raise CodebookFileError(f"{metadata_path}: rope_attention_scaling must be a positive finite number, got "
+                                    f"{scaling!r}; re-run calibrate.")
         return cls(
             key_codecs, value_codecs, config, metadata["fingerprint"], metadata.get("calibration", {}),
-            inv_freq, float(metadata.get("rope_attention_scaling", 1.0)),
+            inv_freq, float(scaling),
         )
+
+
+def _described_shape(metadata: dict, metadata_path: Path):
+    """(config, num_layers, group_dim, KV heads, stats) from a codebook file's JSON, or a clear error for a file whose
+    description is damaged (hand edits, truncation)."""
+    try:
+        config, fingerprint = metadata["config"], metadata["fingerprint"]
+        num_layers, group_dim = metadata["num_layers"], config["group_dim"]
+        heads, layers = fingerprint["num_key_value_heads"], fingerprint["num_hidden_layers"]
+        stats = metadata.get("stats", {})
+        counts = (num_layers, group_dim, heads, layers)
+        if not (isinstance(config, dict) and isinstance(stats, dict)
+                and all(type(count) is int and count >= 1 for count in counts) and num_layers == layers):
+            raise TypeError(f"num_layers={num_layers!r} (fingerprint: {layers!r} layers), group_dim={group_dim!r}, "
+                            f"num_key_value_heads={heads!r}, config and stats objects")
+    except (KeyError, TypeError, AttributeError) as error:
+        raise CodebookFileError(f"{metadata_path} does not describe GSRQ codebooks ({type(error).__name__}: {error}); "
+                                "the file was damaged or edited: re-run calibrate.") from error
+    return config, num_layers, group_dim, heads, stats
 
 
 def layout_of(config: dict, kind: str) -> str:
