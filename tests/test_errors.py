@@ -221,8 +221,9 @@ _DELETE = object()
     (_set("format_version", "4"), "format_version='4'"),
     (_set("rope_attention_scaling", float("nan")), "rope_attention_scaling must be a positive finite number"),
     (_set("rope_attention_scaling", 0), "rope_attention_scaling must be a positive finite number"),
+    (_set("config", "key_space", "post_rope"), "says keys are coded after RoPE"),
 ], ids=["no-config", "layers-text", "no-layers", "fewer-layers", "group-dim-0", "stats-text", "version-bool",
-        "version-text", "scaling-nan", "scaling-0"])
+        "version-text", "scaling-nan", "scaling-0", "key-space-edited"])
 def test_damaged_descriptions_are_codebook_file_errors(tiny_codebooks_dir, tmp_path, edit, message):
     with pytest.raises(CodebookFileError, match=message):
         GSRQCodebooks.load(_edit_metadata(tiny_codebooks_dir, tmp_path, edit))

@@ -215,6 +215,10 @@ class GSRQCodebooks:
         inv_freq = tensors.get("rope.inv_freq")
         if config["key_space"] == "pre_rope" and inv_freq is None:
             raise CodebookFileError(f"{tensors_path} stores pre-RoPE key codebooks but lacks rope.inv_freq; re-run calibrate.")
+        if config["key_space"] == "post_rope" and inv_freq is not None:  # only pre-RoPE calibrations store them
+            raise CodebookFileError(f"{metadata_path} says keys are coded after RoPE, but {tensors_path} holds the rotary "
+                                    "frequencies of codebooks fitted before RoPE; the description was edited: re-run "
+                                    "calibrate.")
         head_dim = key_codecs[0].head_dim
         if inv_freq is not None and (inv_freq.shape != (head_dim // 2,) or not inv_freq.is_floating_point()
                                      or not torch.isfinite(inv_freq).all() or not (inv_freq > 0).all()):
