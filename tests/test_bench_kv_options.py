@@ -122,3 +122,14 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
     assert calibrations == []
+
+
+def test_the_console_script_reports_bad_input_in_one_line(runs, capsys):
+    assert cli.run(["bench", "kv", "--learners", "l2", "l2"]) == 2
+    assert capsys.readouterr().err == (f"error: learners must name each of {list(kv.GSRQ_LEARNERS)} at most once, got "
+                                       "['l2', 'l2'].\n")
+    with pytest.raises(ValueError, match="at most once"):  # --verbose: the traceback, for a bug report
+        cli.run(["--verbose", "bench", "kv", "--learners", "l2", "l2"])
+    with pytest.raises(SystemExit):  # argparse: usage and exit status 2
+        cli.run(["bench", "kv", "--threads", "-2"])
+    assert "expected a positive integer, got '-2'" in capsys.readouterr().err
