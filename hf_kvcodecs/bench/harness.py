@@ -96,10 +96,9 @@ def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128,
     ``only`` (keys of :data:`BASELINE_IDS`) keeps those quantized caches; the full-precision reference is always
     first, since every quality number and speed ratio is measured against it.
     """
-    if only is not None:
-        unknown = sorted(set(only) - set(BASELINE_IDS))
-        if unknown:
-            raise ValueError(f"Unknown baseline(s) {unknown}; choose from {list(BASELINE_IDS)}.")
+    unknown = sorted(set(only or ()) - set(BASELINE_IDS))
+    if unknown:
+        raise ValueError(f"Unknown baseline(s) {unknown}; choose from {list(BASELINE_IDS)}.")
     shape = model_fingerprint(model.config)
     kv_heads, head_dim = shape["num_key_value_heads"], shape["head_dim"]
     group_size = 64

@@ -14,14 +14,15 @@ after decoding. Positions are recorded once per cache (not per layer) in a share
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..codecs.gsrq_codebooks import GSRQCodebooks
-from ..codecs.residual import DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_encoder_options
+from ..codecs.residual import (
+    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_bit_rate, check_encoder_options,
+)
 from ..integrations.attention import CODE_LAYER_ATTRIBUTE, is_code_attention
 from .rope import apply_rope, rotary_cos_sin, undo_rope
 
@@ -344,13 +345,6 @@ def load_codebooks(source) -> GSRQCodebooks:
     raise TypeError(f"codebooks must be a GSRQCodebooks object or a directory path, got {type(source).__name__}.")
 
 
-def _rate(name: str, value) -> float:
-    """A bit rate from ``cache_config``, or a clear error naming the option."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive number of bits per KV element (e.g. 2.0), got {value!r}.")
-    return float(value)
-
-
 class GSRQCache(Cache):
     """A KV cache that stores the history as GSRQ residual-VQ codes.
 
@@ -413,9 +407,9 @@ class GSRQCache(Cache):
         self.codebooks = load_codebooks(codebooks)
         if config is not None:
             self.codebooks.check_fits(config)
-        self.bits = DEFAULT_BITS if bits is None else _rate("bits", bits)
-        self.key_bits = self.bits if key_bits is None else _rate("key_bits", key_bits)
-        self.value_bits = self.bits if value_bits is None else _rate("value_bits", value_bits)
+        self.bits = DEFAULT_BITS if bits is None else check_bit_rate("bits", bits)
+        self.key_bits = self.bits if key_bits is None else check_bit_rate("key_bits", key_bits)
+        self.value_bits = self.bits if value_bits is None else check_bit_rate("value_bits", value_bits)
         key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
         value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()

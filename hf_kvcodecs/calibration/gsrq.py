@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
-    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
+    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, check_bit_rate, fit_transform_residual_vq, gaussian_rate_distortion_reference,
     joint_rate_distortion_reference, relative_mse, stages_for_rate,
 )
 from ..models import model_fingerprint
@@ -180,8 +179,7 @@ def fit_gsrq_codebooks(
 
 def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tokens, out) -> None:
     """Settings checked before any activation is collected (a bad one would otherwise surface minutes later)."""
-    if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 0 < bits < math.inf:
-        raise ValueError(f"bits must be a positive number of bits per KV element (e.g. 2), got {bits!r}.")
+    check_bit_rate("bits", bits)
     for name, value in (("group_dim", group_dim), ("num_windows", num_windows), ("holdout_windows", holdout_windows),
                         ("window_tokens", window_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

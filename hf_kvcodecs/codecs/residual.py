@@ -296,6 +296,13 @@ def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range)
     return torch.where(degenerate, least_squares, stretched)
 
 
+def check_bit_rate(name: str, value) -> float:
+    """A bit rate (bits per KV element) given by a user, as a float, or a clear error naming the option."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of bits per KV element (e.g. 2.0), got {value!r}.")
+    return float(value)
+
+
 def check_encoder_options(gain: str, beam_width: int) -> None:
     """Clear errors for encoder options (they also arrive through ``cache_config``)."""
     if gain not in GAIN_CHOICES:
