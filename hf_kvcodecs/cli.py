@@ -46,13 +46,15 @@ def _calibration_text(args):
 
 def cmd_calibrate(args) -> int:
     from .calibration import calibrate_gsrq
+    from .calibration.gsrq import check_output_directory
 
+    check_output_directory(args.out, overwrite=args.overwrite)  # before minutes of loading and calibrating
     loaded = _load(args)
     codebooks = calibrate_gsrq(
         loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,
         weighted=not args.unweighted, transform=args.transform, metric=args.metric, key_space=args.key_space,
         key_layout=args.key_layout, value_layout=args.value_layout, group_dim=args.group_dim, scale_bits=args.scale_bits,
-        num_windows=args.windows, seed=args.seed, out=args.out,
+        num_windows=args.windows, seed=args.seed, out=args.out, overwrite=args.overwrite,
     )
     summary = {
         "out": str(args.out),
@@ -281,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate = commands.add_parser("calibrate", help="fit GSRQ codebooks for a model and save them")
     _add_model_arguments(calibrate)
     calibrate.add_argument("--out", required=True, type=Path)
+    calibrate.add_argument("--overwrite", action="store_true", help="replace codebooks already saved in --out")
     calibrate.add_argument("--bits", type=float, default=2.0, help="highest bits/element (incl. the scale) to serve")
     calibrate.add_argument("--learner", default=DEFAULT_LEARNER, choices=sorted(CODEBOOK_LEARNERS))
     calibrate.add_argument("--unweighted", action="store_true", help="do not weight samples by their squared scale")
@@ -382,13 +385,13 @@ def main(argv=None) -> int:
 
 
 def run(argv=None) -> int:
-    """The ``hf-kvcodecs`` console script: :func:`main`, with bad input (which raises ``ValueError`` or
-    ``FileNotFoundError`` carrying what is wrong and how to fix it) reported in one line rather than a traceback;
+    """The ``hf-kvcodecs`` console script: :func:`main`, with bad input (which raises ``ValueError``,
+    ``FileNotFoundError`` or ``FileExistsError`` carrying what is wrong and how to fix it) reported in one line rather than a traceback;
     ``--verbose`` keeps the traceback."""
     arguments = sys.argv[1:] if argv is None else list(argv)
     try:
         return main(arguments)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, FileExistsError) as error:
         if {"-v", "--verbose"} & set(arguments):
             raise
         print(f"error: {error}", file=sys.stderr)

@@ -63,3 +63,17 @@ def _tiny_codebooks(model, token_stream, directory, **settings):
         n_iter=4, fit_rows=1024, out=directory, progress=False, **settings,
     )
     return directory
+
+
+def resave_codebook_tensors(directory, tensors):
+    """Rewrite a codebook directory's tensor file (to damage it on purpose) keeping its header metadata, so that the
+    check under test, not the save_id pairing of the two files, is what refuses it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hf_kvcodecs.codecs.gsrq_codebooks import TENSORS_FILE
+
+    path = str(directory / TENSORS_FILE)
+    with safe_open(path, "pt") as handle:
+        metadata = handle.metadata()
+    save_file(tensors, path, metadata=metadata)

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
@@ -17,7 +17,7 @@ from hf_kvcodecs.kernels import reference
 from hf_kvcodecs.kernels.cpu import prerope_decode_attention
 from hf_kvcodecs.kernels.cpu_native import native_ops
 
-from .conftest import _tiny_codebooks, tiny_llama_config
+from .conftest import _tiny_codebooks, resave_codebook_tensors, tiny_llama_config
 
 HEADS, DIM = 3, 64
 CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
@@ -222,11 +222,11 @@ def test_files_round_trip_and_are_checked(conditional_dir, tmp_path):
     shutil.copytree(conditional_dir, target)
     tensors = load_file(str(target / TENSORS_FILE))
     tensors["layers.1.keys.predictors"] = tensors["layers.1.keys.predictors"].T.contiguous()  # reads later heads
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="inconsistent codebooks .*predictors for head 0"):
         GSRQCodebooks.load(target)
     del tensors["layers.1.keys.predictors"]
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="lacks tensor 'layers.1.keys.predictors'"):
         GSRQCodebooks.load(target)
     metadata = json.loads((target / METADATA_FILE).read_text())

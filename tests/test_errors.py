@@ -10,7 +10,7 @@ from hf_kvcodecs import GSRQCache, GSRQCodebooks
 from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from transformers import LlamaForCausalLM
 
-from .conftest import tiny_llama_config
+from .conftest import resave_codebook_tensors, tiny_llama_config
 
 
 def _copy(directory, tmp_path):
@@ -105,16 +105,16 @@ def test_truncated_tensor_file(tiny_codebooks_dir, tmp_path):
 
 
 def test_inconsistent_tensors(tiny_codebooks_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     tensors = load_file(str(target / TENSORS_FILE))
     tensors["layers.1.values.shape.codebooks"] = tensors["layers.1.values.shape.codebooks"][:, :100].contiguous()
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="inconsistent codebooks"):
         GSRQCodebooks.load(target)
     del tensors["layers.1.values.shape.codebooks"]
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="lacks tensor"):
         GSRQCodebooks.load(target)
 
@@ -128,11 +128,11 @@ def test_round_trip_preserves_codecs(tiny_codebooks_dir):
 
 
 def test_scale_bits_that_disagree_with_the_tensors(tiny_codebooks_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     tensors = load_file(str(target / TENSORS_FILE))
-    save_file({k: v for k, v in tensors.items() if not k.endswith("log_scale_range")}, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, {k: v for k, v in tensors.items() if not k.endswith("log_scale_range")})
     with pytest.raises(CodebookFileError, match="16-bit scales where the config says 8.*re-run calibrate"):
         GSRQCodebooks.load(target)
 
@@ -158,7 +158,7 @@ def test_version_1_files_with_fp16_scales_still_load_and_run(tiny_model, tiny_to
 
 
 def test_joint_layout_round_trips_and_its_files_are_checked(tiny_joint_codebooks_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     codebooks = GSRQCodebooks.load(tiny_joint_codebooks_dir)
     assert codebooks.layout("keys") == codebooks.layout("values") == "joint_heads"
@@ -179,7 +179,7 @@ def test_joint_layout_round_trips_and_its_files_are_checked(tiny_joint_codebooks
     (target / METADATA_FILE).write_text(json.dumps(metadata))
     tensors = load_file(str(target / TENSORS_FILE))
     tensors["layers.0.keys.log_scale_range"] = tensors["layers.0.keys.log_scale_range"][:1].contiguous()
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="log_scale_range .* is not \\[2, 2\\]"):
         GSRQCodebooks.load(target)
 
@@ -242,14 +242,14 @@ def test_deeply_nested_or_huge_descriptions_are_refused_without_parsing(tiny_cod
 
 @pytest.mark.parametrize("corrupt", ["nan", "short", "2-d"])
 def test_rotary_frequencies_are_checked_on_load(tiny_codebooks_dir, tmp_path, corrupt):
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     tensors = load_file(str(target / TENSORS_FILE))
     inv_freq = tensors["rope.inv_freq"]
     tensors["rope.inv_freq"] = {"nan": torch.full_like(inv_freq, float("nan")), "short": inv_freq[:3].clone(),
                                 "2-d": inv_freq[None].clone()}[corrupt]
-    save_file(tensors, str(target / TENSORS_FILE))
+    resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="rope.inv_freq must hold 8 positive finite rotary frequencies"):
         GSRQCodebooks.load(target)
 
@@ -313,3 +313,69 @@ def test_calibration_out_must_not_be_a_file(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="is a file; codebooks are saved as a directory"):
         fit_gsrq_codebooks(tiny_model, torch.arange(10_000) % 100, text_info={}, out=tmp_path / "file")
     assert (tmp_path / "file").read_text() == "keep me"
+
+
+def test_calibration_does_not_overwrite_saved_codebooks_unless_asked(tiny_model, tiny_codebooks_dir, tmp_path,
+                                                                     monkeypatch):
+    from hf_kvcodecs.calibration import gsrq as calibration
+    from hf_kvcodecs.cli import run
+
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    before = {name: (target / name).read_bytes() for name in (TENSORS_FILE, METADATA_FILE)}
+
+    def collected(*args, **kwargs):
+        raise AssertionError("activations were collected before --out was checked")
+
+    monkeypatch.setattr(calibration, "collect_kv_samples", collected)
+    with pytest.raises(FileExistsError, match="already holds GSRQ codebooks.*--overwrite"):
+        calibration.fit_gsrq_codebooks(tiny_model, torch.arange(10_000) % 100, text_info={}, out=target)
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        GSRQCodebooks.load(tiny_codebooks_dir).save(target, overwrite=False)
+    assert {name: (target / name).read_bytes() for name in before} == before
+    monkeypatch.setattr("hf_kvcodecs.cli._load", lambda args: pytest.fail("the model was loaded"))
+    assert run(["calibrate", "--out", str(target)]) == 2
+    assert {name: (target / name).read_bytes() for name in before} == before
+
+
+def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_dir, tmp_path, monkeypatch):
+    codebooks = GSRQCodebooks.load(tiny_codebooks_dir)
+    target = codebooks.save(tmp_path / "codebooks")
+    first = {name: (target / name).read_bytes() for name in (TENSORS_FILE, METADATA_FILE)}
+    assert sorted(path.name for path in target.iterdir()) == sorted(first)  # no temporary files left behind
+
+    import hf_kvcodecs.codecs.gsrq_codebooks as module
+
+    real_replace, moves = module.os.replace, []
+
+    def crash_after_first_move(source, destination):  # the process dies between the two files of a save
+        if moves:
+            raise KeyboardInterrupt
+        moves.append(destination)
+        real_replace(source, destination)
+
+    monkeypatch.setattr(module.os, "replace", crash_after_first_move)
+    with pytest.raises(KeyboardInterrupt):
+        codebooks.save(target)
+    monkeypatch.setattr(module.os, "replace", real_replace)
+    assert sorted(path.name for path in target.iterdir()) == sorted(first)  # the staged file was removed
+    assert (target / METADATA_FILE).read_bytes() == first[METADATA_FILE]
+    assert (target / TENSORS_FILE).read_bytes() != first[TENSORS_FILE]  # (same tensors, another save_id)
+    with pytest.raises(CodebookFileError, match="two different saves"):
+        GSRQCodebooks.load(target)
+    codebooks.save(target)
+    GSRQCodebooks.load(target)
+
+
+@pytest.mark.parametrize("name, dtype", [("layers.0.keys.stage_groups", torch.float32),
+                                         ("layers.0.keys.codebooks", torch.int32),
+                                         ("layers.0.keys.mean", torch.bool)])
+def test_tensors_of_the_wrong_dtype_are_refused(tiny_codebooks_dir, tmp_path, name, dtype):
+    from safetensors.torch import load_file
+
+    target = _copy(tiny_codebooks_dir, tmp_path)
+    tensors = load_file(str(target / TENSORS_FILE))
+    assert name in tensors
+    tensors[name] = tensors[name].to(dtype)
+    resave_codebook_tensors(target, tensors)
+    with pytest.raises(CodebookFileError, match=f"tensor {name} is {dtype}"):
+        GSRQCodebooks.load(target)

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residual_vq
-from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks
+from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, holds_codebooks
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
@@ -63,6 +63,7 @@ def fit_gsrq_codebooks(
     fit_rows: int = 8192,
     seed: int = 0,
     out: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool = True,
     started: float | None = None,
 ) -> GSRQCodebooks:
@@ -73,7 +74,7 @@ def fit_gsrq_codebooks(
     codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are).
     """
     _check_settings(bits=bits, group_dim=group_dim, num_windows=num_windows, holdout_windows=holdout_windows,
-                    window_tokens=window_tokens, out=out)
+                    window_tokens=window_tokens, out=out, overwrite=overwrite)
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
     for kind, layout in (("keys", key_layout), ("values", value_layout)):
@@ -172,17 +173,26 @@ def fit_gsrq_codebooks(
         rope_inv_freq=None if rope is None else rope[0], rope_attention_scaling=1.0 if rope is None else rope[1],
     )
     if out is not None:
-        codebooks.save(out)
+        codebooks.save(out, overwrite=overwrite)
     logger.info("calibrated %s codebooks in %.1fs: %s", learner, finished - started, calibration["holdout_mean"])
     return codebooks
 
 
-def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tokens, out) -> None:
+def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tokens, out, overwrite) -> None:
     """Settings checked before any activation is collected (a bad one would otherwise surface minutes later)."""
     check_bit_rate("bits", bits)
     for name, value in (("group_dim", group_dim), ("num_windows", num_windows), ("holdout_windows", holdout_windows),
                         ("window_tokens", window_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
+    if out is not None:
+        check_output_directory(out, overwrite=overwrite)
+
+
+def check_output_directory(out: str | Path, *, overwrite: bool) -> None:
+    """``out`` can receive codebooks: not a file, and (unless ``overwrite``) not holding codebooks already."""
+    if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file; codebooks are saved as a directory: pass a directory path.")
+    if not overwrite and holds_codebooks(out):
+        raise FileExistsError(f"--out {out} already holds GSRQ codebooks; pass another directory, or --overwrite "
+                              "(Python: overwrite=True) to replace them.")

@@ -43,7 +43,9 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
             return GSRQCodebooks.load(directory), directory, True
         except CodebookFileError as error:
             logger.warning("Re-calibrating: stored codebooks in %s are unusable (%s).", directory, error)
-    codebooks = calibrate_gsrq(loaded.model, loaded.tokenizer, text=text, out=directory, progress=progress, **settings)
+    # (what is there is unusable, so replacing it loses nothing)
+    codebooks = calibrate_gsrq(loaded.model, loaded.tokenizer, text=text, out=directory, overwrite=True,
+                               progress=progress, **settings)
     return codebooks, directory, False
 
 
@@ -51,4 +53,4 @@ def _calibration_defaults() -> dict:
     """The default value of every fit setting (what a calibration uses for a setting it is not given)."""
     return {name: parameter.default for name, parameter in inspect.signature(fit_gsrq_codebooks).parameters.items()
             if parameter.kind == parameter.KEYWORD_ONLY and parameter.default is not parameter.empty
-            and name not in ("out", "progress", "started")}
+            and name not in ("out", "overwrite", "progress", "started")}

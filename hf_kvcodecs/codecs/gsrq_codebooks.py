@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
@@ -122,8 +124,20 @@ class GSRQCodebooks:
             )
 
     # ---- persistence ----------------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, *, overwrite: bool = True) -> Path:
+        """Write the codebooks to ``directory`` as safetensors + JSON.
+
+        Each file is written under a temporary name and moved into place, so an interrupted save never leaves a
+        half-written file under the real name; both files carry the same ``save_id``, so a pair from two different
+        saves (a crash between the two moves) is refused when loaded. ``overwrite=False`` refuses a directory that
+        already holds codebooks instead of replacing them.
+        """
         directory = Path(directory)
+        if directory.exists() and not directory.is_dir():
+            raise ValueError(f"{directory} is a file; codebooks are saved as a directory: pass a directory path.")
+        if not overwrite and holds_codebooks(directory):
+            raise FileExistsError(f"{directory} already holds GSRQ codebooks; pass another directory, or overwrite=True "
+                                  "(CLI: --overwrite) to replace them.")
         directory.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
         for index, (key_codec, value_codec) in enumerate(zip(self.key_codecs, self.value_codecs)):
@@ -132,10 +146,11 @@ class GSRQCodebooks:
         if self.rope_inv_freq is not None:
             tensors["rope.inv_freq"] = self.rope_inv_freq.float().contiguous()
         tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        save_file(tensors, str(directory / TENSORS_FILE), metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
+        save_id = uuid.uuid4().hex
         metadata = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
+            "save_id": save_id,
             "config": self.config,
             "fingerprint": self.fingerprint,
             "calibration": self.calibration,
@@ -146,7 +161,16 @@ class GSRQCodebooks:
                 "values": [c.stats for c in self.value_codecs],
             },
         }
-        (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        staged = {name: directory / f".{name}.{save_id}.partial" for name in (TENSORS_FILE, METADATA_FILE)}
+        try:
+            save_file(tensors, str(staged[TENSORS_FILE]),
+                      metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "save_id": save_id})
+            staged[METADATA_FILE].write_text(json.dumps(metadata, indent=2, sort_keys=True))
+            for name, path in staged.items():
+                os.replace(path, directory / name)
+        finally:
+            for path in staged.values():
+                path.unlink(missing_ok=True)
         return directory
 
     @classmethod
@@ -182,6 +206,8 @@ class GSRQCodebooks:
             raise CodebookFileError(
                 f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run calibrate or re-download it."
             ) from error
+        _check_same_save(metadata, tensors_path, metadata_path)
+        _check_tensor_dtypes(tensors, tensors_path)
         config, num_layers, group_dim, heads, stats = _described_shape(metadata, metadata_path)
         for kind in ("keys", "values"):
             if layout_of(config, kind) not in LAYOUTS[kind]:
@@ -233,6 +259,39 @@ class GSRQCodebooks:
             key_codecs, value_codecs, config, metadata["fingerprint"], metadata.get("calibration", {}),
             inv_freq, float(scaling),
         )
+
+
+def holds_codebooks(directory: str | Path) -> bool:
+    """Whether ``directory`` already holds (some of) a saved set of GSRQ codebooks."""
+    return any((Path(directory) / name).exists() for name in (TENSORS_FILE, METADATA_FILE))
+
+
+def _check_same_save(metadata: dict, tensors_path: Path, metadata_path: Path) -> None:
+    """Both files of a save carry its ``save_id`` (files written before it existed carry none and are not checked)."""
+    described = metadata.get("save_id")
+    try:
+        with safe_open(str(tensors_path), "pt") as handle:
+            stored = (handle.metadata() or {}).get("save_id")
+    except (SafetensorError, OSError) as error:
+        raise CodebookFileError(f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run "
+                                "calibrate or re-download it.") from error
+    if described != stored:  # (one file written before save_ids existed, the other after: also a mixed pair)
+        raise CodebookFileError(f"{metadata_path} and {tensors_path} come from two different saves (save_id "
+                                f"{described!r} vs {stored!r}), e.g. a save interrupted between its two files or "
+                                "files copied from two directories: re-run calibrate.")
+
+
+def _check_tensor_dtypes(tensors: dict[str, torch.Tensor], tensors_path: Path) -> None:
+    """Stage-group indices are integers, everything else real floating point: another dtype would be cast silently
+    (fractional indices truncated, complex parts dropped)."""
+    for name, tensor in tensors.items():
+        integral = name.endswith(".stage_groups")
+        valid = (not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool) if integral \
+            else tensor.is_floating_point()
+        if not valid:
+            raise CodebookFileError(f"{tensors_path}: tensor {name} is {tensor.dtype}, expected "
+                                    f"{'an integer' if integral else 'a floating-point'} dtype; the file is corrupt or "
+                                    "was not written by hf_kvcodecs: re-run calibrate.")
 
 
 def _described_shape(metadata: dict, metadata_path: Path):
