@@ -28,7 +28,7 @@ bench: setup
 	$(BIN)/hf-kvcodecs bench kv --threads 2 --seeds 0 1 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench memory --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench codec --threads 1 --out benchmarks/results
-	$(BIN)/hf-kvcodecs bench decode --threads 2 --out benchmarks/results
+	$(BIN)/hf-kvcodecs bench decode --threads 2 --no-post-rope --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench split --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench weights --threads 2 --out benchmarks/results
 
