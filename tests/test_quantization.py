@@ -408,7 +408,7 @@ def test_saved_checkpoint_whose_codebooks_do_not_fit_is_a_clear_error(saved, tmp
     ids = torch.randint(3, 128, (1200,), generator=torch.Generator().manual_seed(3))
     fit_gsrq_codebooks(wrong, ids, text_info={"description": "random ids"}, bits=2.0, window_tokens=128,
                        sampled_tokens_per_window=32, num_windows=4, holdout_windows=1, n_iter=1, fit_rows=256,
-                       out=checkpoint / KV_CODEBOOKS_FOLDER, progress=False)
+                       out=checkpoint / KV_CODEBOOKS_FOLDER, overwrite=True, progress=False)
     with pytest.raises(ValueError, match="do not work with it.*num_key_value_heads=4"):
         AutoModelForCausalLM.from_pretrained(checkpoint)
     shutil.rmtree(checkpoint / KV_CODEBOOKS_FOLDER)
