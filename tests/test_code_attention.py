@@ -61,6 +61,9 @@ def test_code_reading_generation_equals_dequantize_path(model, codebooks_dir, mo
     assert code_cache.attention_path == "codes" and model.config._attn_implementation == "gsrq_sdpa"
     assert code_cache.layers[0].region_lengths()["codes"] > 0  # the codes were really read
     assert torch.equal(got, expected)
+    if mode == "padded_batch":  # the padded row's first real tokens are among the exact sinks on both paths
+        for cache in (code_cache, dequantize_cache):
+            assert cache.layers[0].region_lengths()["sinks"] == CODED["num_sink_tokens"] + 9
 
 
 def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir):

@@ -73,6 +73,44 @@ def test_exact_window_equals_dynamic_cache_padded_batch(tiny_model, tiny_codeboo
     assert torch.equal(reference, padded)
 
 
+def test_left_padded_rows_keep_their_own_first_tokens_as_sinks(tiny_model, tiny_codebooks_dir):
+    """A row padded on the left decodes as it would alone: its first real tokens, not its pads, are the exact sinks."""
+    short, long_ = _prompt(1, 14, seed=2), _prompt(1, 20, seed=3)
+    ids = torch.cat([torch.cat([torch.zeros(1, 6, dtype=torch.long), short], dim=1), long_])
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    settings = dict(codebooks=tiny_codebooks_dir, window_length=4, flush_interval=4, num_sink_tokens=3)
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    batch_cache, alone_cache = GSRQCache(tiny_model.config, **settings), GSRQCache(tiny_model.config, **settings)
+    batched = tiny_model.generate(ids, attention_mask=mask, cache=batch_cache, **kwargs)
+    alone = tiny_model.generate(short, cache=alone_cache, **kwargs)
+    layer = batch_cache.layers[0]
+    assert batch_cache.ledger.leading_padding == 6 and layer.region_lengths()["sinks"] == 3 + 6
+    assert layer.region_lengths()["codes"] > 0  # really quantized
+    # the padded row's sink slots end with its first real tokens (position ids 0, 1, 2), exact
+    assert batch_cache.ledger.positions[0, 6:9].tolist() == [0, 1, 2]
+    torch.testing.assert_close(layer.sink_keys[0, :, 6:], alone_cache.layers[0].sink_keys[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(batched.sequences[0, 6:], alone.sequences[0])
+    for batched_scores, alone_scores in zip(batched.scores, alone.scores):
+        torch.testing.assert_close(batched_scores[0], alone_scores[0], rtol=1e-4, atol=1e-4)
+    # the unpadded row keeps 9 exact leading tokens; without an attention mask nothing is counted as padding
+    plain = GSRQCache(tiny_model.config, **settings)
+    tiny_model(ids, cache=plain)
+    assert plain.ledger.leading_padding == 0 and plain.layers[0].region_lengths()["sinks"] == 3
+
+
+def test_left_padding_is_read_from_the_first_call_positions():
+    from hf_kvcodecs.cache.gsrq import _left_padding
+
+    rows = torch.tensor
+    assert _left_padding(rows([[0, 1, 2, 3]])) == 0  # one run: unpadded
+    assert _left_padding(rows([[0, 0, 0, 0, 1, 2], [0, 1, 2, 3, 4, 5]])) == 3  # transformers 5: pads at position 0
+    assert _left_padding(rows([[1, 1, 1, 0, 1, 2]])) == 3  # pads at position 1
+    assert _left_padding(rows([[0, 1, 2, 0, 0]])) == 0  # right padding: the last run is not the real tokens
+    assert _left_padding(rows([[7]])) == 0 and _left_padding(rows([[10, 11, 12]])) == 0
+
+
 def test_generation_config_default_and_pipeline_pick_up_gsrq(tiny_model, tiny_codebooks_dir):
     ids = _prompt(1)
     config = GenerationConfig(cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT},

@@ -1,7 +1,8 @@
 """GSRQCache: a transformers ``Cache`` whose layers hold residual-VQ codes of the KV history.
 
 Per layer, tokens live in three append-only regions, in order:
-    sinks    the first ``num_sink_tokens`` tokens, exact (attention sinks)
+    sinks    the first ``num_sink_tokens`` tokens, exact (attention sinks); in a left-padded batch, as many more
+             slots as the longest left padding, so that every row's first real tokens are exact
     codes    uint8 residual-VQ indices + one scale per token and head (8-bit log level, or fp16 with older
              codebooks); a token is encoded once, never again
     window   the most recent ``window_length`` .. ``window_length + flush_interval`` tokens, exact
@@ -44,6 +45,7 @@ class PositionLedger:
 
     def __init__(self):
         self.positions: torch.Tensor | None = None
+        self.leading_padding = 0  # the longest left padding of the first call's rows (see _left_padding)
         self._angles = None  # ((start, end), (cos, sin)) shared by the layers during one forward pass
 
     def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device) -> None:
@@ -56,6 +58,8 @@ class PositionLedger:
         if position_ids.shape[-1] != new_tokens:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but {new_tokens} new tokens arrived.")
         position_ids = position_ids.expand(batch_size, new_tokens)
+        if self.positions is None:
+            self.leading_padding = _left_padding(position_ids)
         self.positions = position_ids.clone() if self.positions is None else torch.cat([self.positions, position_ids], dim=1)
         self.forget_angles()
 
@@ -76,6 +80,22 @@ class PositionLedger:
 
     def forget_angles(self) -> None:
         self._angles = None
+
+
+def _left_padding(positions: torch.Tensor) -> int:
+    """The longest left padding over the rows of a first call's ``positions`` ``[B, T]``.
+
+    generate() gives a left-padded row's pad tokens position 0 (or 1, in older transformers) and numbers its real tokens
+    0, 1, 2, ...: the real tokens are the row's last run of consecutive positions, and that run holds the row's largest
+    position. A row whose last run does not (right padding) or that is one run (no padding) counts as unpadded.
+    """
+    if positions.shape[-1] < 2:
+        return 0
+    steps = positions[:, 1:] - positions[:, :-1]
+    breaks = torch.arange(1, positions.shape[-1], device=positions.device).expand_as(steps) * (steps != 1)
+    run_starts = breaks.amax(dim=-1)  # 0 when the whole row is one run
+    holds_max = positions[:, -1] == positions.amax(dim=-1)  # (the last run's largest position is its last)
+    return int(torch.where(holds_max, run_starts, torch.zeros_like(run_starts)).max())
 
 
 class GSRQLayer(CacheLayerMixin):
@@ -164,7 +184,9 @@ class GSRQLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.dtype != self.dtype:
             raise ValueError(f"GSRQCache was filled with {self.dtype} states and now received {key_states.dtype}.")
-        free_sinks = self.num_sink_tokens - self.sink_keys.shape[-2]
+        # a left-padded batch keeps its pad tokens (masked out) in extra slots, so each row's first real tokens are exact
+        sink_slots = self.num_sink_tokens + self.ledger.leading_padding if self.num_sink_tokens else 0
+        free_sinks = sink_slots - self.sink_keys.shape[-2]
         if free_sinks > 0:
             self.sink_keys = torch.cat([self.sink_keys, key_states[..., :free_sinks, :]], dim=-2)
             self.sink_values = torch.cat([self.sink_values, value_states[..., :free_sinks, :]], dim=-2)
@@ -359,7 +381,9 @@ class GSRQCache(Cache):
         key_bits, value_bits: per-tensor overrides of ``bits``.
         window_length: recent tokens kept exact (plus up to ``flush_interval`` more between flushes).
         flush_interval: how many tokens accumulate beyond the window before they are encoded together.
-        num_sink_tokens: first tokens kept exact.
+        num_sink_tokens: first tokens kept exact (attention sinks). In a left-padded batch (``generate`` with an
+            ``attention_mask``) the count starts at each row's first real token: the sink region grows by the longest
+            left padding, whose slots hold pad tokens in the padded rows and real tokens in the others.
         attention: how attention reads the coded history. ``"codes"``: the code-reading attention
             (``hf_kvcodecs::coded_attention``: Triton on CUDA, PyTorch reference on CPU), which never builds a
             full-precision copy; needs the model on a code-reading attention implementation
@@ -483,6 +507,7 @@ class GSRQCache(Cache):
     def reset(self):
         super().reset()
         self.ledger.positions = None
+        self.ledger.leading_padding = 0
         self.ledger.forget_angles()
 
     def bits_per_element(self) -> dict[str, float]:
