@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .bench.harness import BASELINE_IDS
-from .bench.kv import GSRQ_LEARNERS
+from .bench.kv import GSRQ_LEARNERS, GSRQ_RATES
 from .codecs.gsrq_codebooks import LAYOUTS
 from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
@@ -75,7 +75,8 @@ def cmd_bench_kv(args) -> int:
     results = run_kv_benchmark(loaded, out=args.out, text=args.text or None, calibration_text=_calibration_text(args),
                                quick=args.quick, seeds=args.seeds, store=args.codebook_store, learners=args.learners,
                                key_layout=args.key_layout, value_layout=args.value_layout,
-                               layout_variants=args.layout_variants, baselines=args.baselines)
+                               layout_variants=args.layout_variants, baselines=args.baselines,
+                               rates=args.bits or GSRQ_RATES)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -321,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="calibration seeds: GSRQ is calibrated and measured once per seed and learner")
     kv.add_argument("--learners", nargs="+", default=None, choices=list(GSRQ_LEARNERS),
                     help="codebook learners to calibrate and measure (default: all of them)")
+    kv.add_argument("--bits", type=float, nargs="+", default=None,
+                    help=f"bits per element of the GSRQ rows (default: {' '.join(f'{r:g}' for r in GSRQ_RATES)})")
     kv.add_argument("--key-layout", default=None, choices=list(LAYOUTS["keys"]),
                     help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
     kv.add_argument("--value-layout", default=None, choices=list(LAYOUTS["values"]),

@@ -116,9 +116,20 @@ def test_layout_variants_run_only_next_to_default_l2_rows(runs):
     assert "--no-layout-variants" in recorded
 
 
+def test_bit_rates_can_be_chosen_and_are_recorded(runs, calibrations):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines --learners l2 --no-layout-variants --bits 2.5")
+    assert rows == ["fp32 DynamicCache", "same codec, l2 k-means codebooks 2.5-bit"]
+    assert "--bits 2.5 " in recorded and runs(recorded) == (rows, recorded)
+    assert calibrations[-1]["bits"] == 2.5  # calibrated at the highest rate asked for
+
+
 def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
     with pytest.raises(ValueError, match="at most once"):
         runs("hf-kvcodecs bench kv --learners l2 l2")
+    with pytest.raises(ValueError, match="at most once"):
+        runs("hf-kvcodecs bench kv --bits 2 2")
+    with pytest.raises(ValueError, match="bits must be a positive"):
+        runs("hf-kvcodecs bench kv --bits 0")
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
     assert calibrations == []

@@ -10,6 +10,7 @@ import torch
 
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS
+from ..codecs.residual import check_bit_rate
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..calibration.store import ensure_codebooks
@@ -108,12 +109,19 @@ def codec_layout(key_layout: str | None = None, value_layout: str | None = None)
 
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
-                     value_layout: str | None = None, layout_variants: bool = True, baselines=None) -> dict:
+                     value_layout: str | None = None, layout_variants: bool = True, baselines=None,
+                     rates=GSRQ_RATES) -> dict:
     """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
     reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
     ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
     ``layout_variants`` is true, the l2 codebooks of the first seed with the other layouts of :data:`LAYOUT_VARIANTS`.
+    ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
     """
+    rates = tuple(rates)
+    if not rates or len(set(rates)) < len(rates):
+        raise ValueError(f"rates must name each bit rate at most once, got {list(rates)}.")
+    for rate in rates:
+        check_bit_rate("bits", rate)
     learners = tuple(learners or GSRQ_LEARNERS)
     unknown = sorted(set(learners) - set(GSRQ_LEARNERS))
     if unknown or len(set(learners)) < len(learners):
@@ -124,7 +132,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
-        loaded, seeds=tuple(seeds), learners=learners, text=calibration_text, store=store, progress=progress,
+        loaded, rates=rates, seeds=tuple(seeds), learners=learners, text=calibration_text, store=store, progress=progress,
         calibration=QUICK_CALIBRATION if quick else None, layout=layout, layout_variants=variants,
     )
     results = evaluate_methods(
@@ -132,7 +140,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
         model_description=loaded.description, progress=progress, **(QUICK if quick else FULL),
     )
     results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
-                                    layout_variants=layout_variants, baselines=baselines, text=text,
+                                    layout_variants=layout_variants, baselines=baselines, rates=rates, text=text,
                                     calibration_text=calibration_text, threads=torch.get_num_threads())
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
@@ -221,6 +229,7 @@ def memory_markdown(results: dict) -> str:
 
 
 def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
+               rates=GSRQ_RATES,
                text=None, calibration_text=None, threads: int | None = None) -> str:
     """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
     ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
@@ -231,6 +240,7 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--threads", str(threads)], threads is not None), (["--quick"], quick),
         (["--seeds", *map(str, seeds)], tuple(seeds) != (0,)),
         (["--learners", *learners], tuple(learners) != tuple(GSRQ_LEARNERS)),
+        (["--bits", *(f"{rate:g}" for rate in rates)], tuple(rates) != GSRQ_RATES),
         *(([f"--{name.replace('_', '-')}", value], True) for name, value in layout.items()),
         (["--no-layout-variants"], not layout_variants and not layout),
         (["--baselines", *(baselines or ())], baselines is not None),
