@@ -51,7 +51,7 @@ def teacher_forced_logprobs(model, rows: torch.Tensor, pads: list[int], make_cac
         mask[row, :pad] = 0
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate() builds them
     cache = make_cache(model)
-    model(rows[:, :length], attention_mask=mask, position_ids=positions, cache=cache)
+    model(rows[:, :length], attention_mask=mask, position_ids=positions, cache=cache, logits_to_keep=1)
     steps = []
     for step in range(CONTINUATION):  # each step feeds one token and predicts the next, against the cache
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.long)], dim=1)

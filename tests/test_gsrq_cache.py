@@ -94,10 +94,30 @@ def test_left_padded_rows_keep_their_own_first_tokens_as_sinks(tiny_model, tiny_
     assert torch.equal(batched.sequences[0, 6:], alone.sequences[0])
     for batched_scores, alone_scores in zip(batched.scores, alone.scores):
         torch.testing.assert_close(batched_scores[0], alone_scores[0], rtol=1e-4, atol=1e-4)
+    # prefilled in chunks shorter than the padding, the padding is still measured whole
+    chunked_cache = GSRQCache(tiny_model.config, **settings)
+    chunked = tiny_model.generate(ids, attention_mask=mask, cache=chunked_cache, prefill_chunk_size=4, **kwargs)
+    assert chunked_cache.ledger.leading_padding == 6 and chunked_cache.layers[0].region_lengths()["sinks"] == 9
+    assert torch.equal(chunked.sequences, batched.sequences)
     # the unpadded row keeps 9 exact leading tokens; without an attention mask nothing is counted as padding
     plain = GSRQCache(tiny_model.config, **settings)
     tiny_model(ids, cache=plain)
     assert plain.ledger.leading_padding == 0 and plain.layers[0].region_lengths()["sinks"] == 3
+    # a cache cropped empty and reused measures the new batch's padding
+    batch_cache.crop(-batch_cache.get_seq_length())
+    tiny_model(ids, cache=batch_cache)  # (no attention mask this time: nothing counts as padding)
+    assert batch_cache.ledger.leading_padding == 0 and batch_cache.layers[0].region_lengths()["sinks"] == 3
+
+
+def test_long_left_padding_is_reported(tiny_model, tiny_codebooks_dir, caplog):
+    ids = torch.cat([torch.zeros(1, 70, dtype=torch.long), _prompt(1, 10)], dim=1)
+    mask = (ids != 0).long()
+    cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, window_length=4, flush_interval=4,
+                      num_sink_tokens=3)
+    with caplog.at_level("WARNING", logger="hf_kvcodecs.cache.gsrq"):
+        tiny_model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)
+    assert "left-padded by up to 70 tokens" in caplog.text and "first 73 tokens exact" in caplog.text
 
 
 def test_left_padding_is_read_from_the_first_call_positions():

@@ -33,6 +33,8 @@ DEFAULT_BITS = 2.0
 DEFAULT_WINDOW_LENGTH = 32
 DEFAULT_FLUSH_INTERVAL = 32
 DEFAULT_NUM_SINK_TOKENS = 4
+# A left padding longer than this makes every row of the batch keep that many more exact tokens: worth a warning.
+LARGE_PADDING_TOKENS = 64
 CACHE_CONFIG_KEYS = (
     "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "attention",
     "beam_width", "gain", "config",
@@ -48,7 +50,12 @@ class PositionLedger:
         self.leading_padding = 0  # the longest left padding of the first call's rows (see _left_padding)
         self._angles = None  # ((start, end), (cos, sin)) shared by the layers during one forward pass
 
-    def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device) -> None:
+    def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device, *,
+               only_sinks_held: bool = False) -> None:
+        """Record the positions of ``new_tokens`` new tokens. While the layers hold nothing but sinks
+        (``only_sinks_held``: no token coded or in the window yet), the left padding is re-read from every position
+        recorded, so a prompt prefilled in chunks is measured whole; after that it is fixed, since growing the sink
+        region then would put tokens out of order."""
         if position_ids is None:
             start = 0 if self.positions is None else self.positions.shape[1]
             position_ids = torch.arange(start, start + new_tokens, device=device)[None]
@@ -58,9 +65,9 @@ class PositionLedger:
         if position_ids.shape[-1] != new_tokens:
             raise ValueError(f"position_ids cover {position_ids.shape[-1]} tokens but {new_tokens} new tokens arrived.")
         position_ids = position_ids.expand(batch_size, new_tokens)
-        if self.positions is None:
-            self.leading_padding = _left_padding(position_ids)
         self.positions = position_ids.clone() if self.positions is None else torch.cat([self.positions, position_ids], dim=1)
+        if only_sinks_held:
+            self.leading_padding = _left_padding(self.positions)
         self.forget_angles()
 
     def apply(self, fn) -> None:
@@ -88,8 +95,10 @@ def _left_padding(positions: torch.Tensor) -> int:
     generate() gives a left-padded row's pad tokens position 0 (or 1, in older transformers) and numbers its real tokens
     0, 1, 2, ...: the real tokens are the row's last run of consecutive positions, and that run holds the row's largest
     position. A row whose last run does not (right padding) or that is one run (no padding) counts as unpadded.
+    Conventions this cannot tell apart: pads numbered one below the first real token (e.g. -1) count one pad too
+    few; a single real token after pads at position 1, or before right padding, is misread.
     """
-    if positions.shape[-1] < 2:
+    if positions.shape[-1] < 2 or positions.device.type == "meta":  # (meta: refused with a clear error by the layers)
         return 0
     steps = positions[:, 1:] - positions[:, :-1]
     breaks = torch.arange(1, positions.shape[-1], device=positions.device).expand_as(steps) * (steps != 1)
@@ -479,7 +488,16 @@ class GSRQCache(Cache):
             )
         if layer_idx == 0:
             forward_kwargs = kwargs.get("kwargs") or {}
-            self.ledger.append(forward_kwargs.get("position_ids"), key_states.shape[0], key_states.shape[-2], key_states.device)
+            held = self.layers[0].region_lengths()
+            padding_before = self.ledger.leading_padding
+            self.ledger.append(forward_kwargs.get("position_ids"), key_states.shape[0], key_states.shape[-2],
+                               key_states.device, only_sinks_held=held["codes"] == held["window"] == 0)
+            if self.ledger.leading_padding > max(padding_before, LARGE_PADDING_TOKENS) and self.num_sink_tokens:
+                logger.warning(
+                    "GSRQCache: this batch is left-padded by up to %d tokens, so every row keeps its first %d tokens "
+                    "exact (each row's own first %d real tokens are the attention sinks). Batch prompts of similar "
+                    "length to keep the cache compressed.", self.ledger.leading_padding,
+                    self.ledger.leading_padding + self.num_sink_tokens, self.num_sink_tokens)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if layer_idx == len(self.layers) - 1 and self.attention_path == "dequantize":
             self.ledger.forget_angles()  # transient: not held between forward passes (code-reading attention

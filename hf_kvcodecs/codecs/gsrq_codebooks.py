@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
@@ -139,6 +139,8 @@ class GSRQCodebooks:
             raise FileExistsError(f"{directory} already holds GSRQ codebooks; pass another directory, or overwrite=True "
                                   "(CLI: --overwrite) to replace them.")
         directory.mkdir(parents=True, exist_ok=True)
+        for leftover in directory.glob(".gsrq_codebooks.*.partial"):  # from a save that was killed outright
+            leftover.unlink(missing_ok=True)
         tensors: dict[str, torch.Tensor] = {}
         for index, (key_codec, value_codec) in enumerate(zip(self.key_codecs, self.value_codecs)):
             tensors.update(key_codec.state_dict(f"layers.{index}.keys"))
@@ -200,13 +202,15 @@ class GSRQCodebooks:
                 f"{metadata_path} has format_version={version!r}, this hf_kvcodecs reads versions "
                 f"{list(READABLE_VERSIONS)}. Upgrade hf_kvcodecs or re-run calibrate."
             )
-        try:
-            tensors = load_file(str(tensors_path))
+        try:  # tensors and header from one handle, so both come from the same file
+            with safe_open(str(tensors_path), "pt") as handle:
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+                header = handle.metadata() or {}
         except (SafetensorError, OSError, ValueError) as error:
             raise CodebookFileError(
                 f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run calibrate or re-download it."
             ) from error
-        _check_same_save(metadata, tensors_path, metadata_path)
+        _check_same_save(metadata.get("save_id"), header.get("save_id"), tensors_path, metadata_path)
         _check_tensor_dtypes(tensors, tensors_path)
         config, num_layers, group_dim, heads, stats = _described_shape(metadata, metadata_path)
         for kind in ("keys", "values"):
@@ -266,15 +270,8 @@ def holds_codebooks(directory: str | Path) -> bool:
     return any((Path(directory) / name).exists() for name in (TENSORS_FILE, METADATA_FILE))
 
 
-def _check_same_save(metadata: dict, tensors_path: Path, metadata_path: Path) -> None:
+def _check_same_save(described, stored, tensors_path: Path, metadata_path: Path) -> None:
     """Both files of a save carry its ``save_id`` (files written before it existed carry none and are not checked)."""
-    described = metadata.get("save_id")
-    try:
-        with safe_open(str(tensors_path), "pt") as handle:
-            stored = (handle.metadata() or {}).get("save_id")
-    except (SafetensorError, OSError) as error:
-        raise CodebookFileError(f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run "
-                                "calibrate or re-download it.") from error
     if described != stored:  # (one file written before save_ids existed, the other after: also a mixed pair)
         raise CodebookFileError(f"{metadata_path} and {tensors_path} come from two different saves (save_id "
                                 f"{described!r} vs {stored!r}), e.g. a save interrupted between its two files or "
