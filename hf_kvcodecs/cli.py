@@ -46,9 +46,9 @@ def _calibration_text(args):
 
 def cmd_calibrate(args) -> int:
     from .calibration import calibrate_gsrq
-    from .calibration.gsrq import check_output_directory
+    from .codecs.gsrq_codebooks import check_save_directory
 
-    check_output_directory(args.out, overwrite=args.overwrite)  # before minutes of loading and calibrating
+    check_save_directory(args.out, overwrite=args.overwrite)  # before minutes of loading and calibrating
     loaded = _load(args)
     codebooks = calibrate_gsrq(
         loaded.model, loaded.tokenizer, text=_calibration_text(args), bits=args.bits, learner=args.learner,

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residual_vq
-from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, holds_codebooks
+from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
@@ -186,13 +186,4 @@ def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tok
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     if out is not None:
-        check_output_directory(out, overwrite=overwrite)
-
-
-def check_output_directory(out: str | Path, *, overwrite: bool) -> None:
-    """``out`` can receive codebooks: not a file, and (unless ``overwrite``) not holding codebooks already."""
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file; codebooks are saved as a directory: pass a directory path.")
-    if not overwrite and holds_codebooks(out):
-        raise FileExistsError(f"--out {out} already holds GSRQ codebooks; pass another directory, or --overwrite "
-                              "(Python: overwrite=True) to replace them.")
+        check_save_directory(out, overwrite=overwrite)

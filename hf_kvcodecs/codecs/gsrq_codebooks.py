@@ -133,11 +133,7 @@ class GSRQCodebooks:
         already holds codebooks instead of replacing them.
         """
         directory = Path(directory)
-        if directory.exists() and not directory.is_dir():
-            raise ValueError(f"{directory} is a file; codebooks are saved as a directory: pass a directory path.")
-        if not overwrite and holds_codebooks(directory):
-            raise FileExistsError(f"{directory} already holds GSRQ codebooks; pass another directory, or overwrite=True "
-                                  "(CLI: --overwrite) to replace them.")
+        check_save_directory(directory, overwrite=overwrite)
         directory.mkdir(parents=True, exist_ok=True)
         for leftover in directory.glob(".gsrq_codebooks.*.partial"):  # from a save that was killed outright
             leftover.unlink(missing_ok=True)
@@ -268,6 +264,15 @@ class GSRQCodebooks:
 def holds_codebooks(directory: str | Path) -> bool:
     """Whether ``directory`` already holds (some of) a saved set of GSRQ codebooks."""
     return any((Path(directory) / name).exists() for name in (TENSORS_FILE, METADATA_FILE))
+
+
+def check_save_directory(directory: str | Path, *, overwrite: bool) -> None:
+    """``directory`` can receive codebooks: not a file, and (unless ``overwrite``) not holding codebooks already."""
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(f"{directory} is a file; codebooks are saved as a directory: pass a directory path.")
+    if not overwrite and holds_codebooks(directory):
+        raise FileExistsError(f"{directory} already holds GSRQ codebooks; pass another directory, or --overwrite "
+                              "(Python: overwrite=True) to replace them.")
 
 
 def _check_same_save(described, stored, tensors_path: Path, metadata_path: Path) -> None:
