@@ -4,6 +4,8 @@
 outputs must be identical to DynamicCache; "coded" configurations really quantize, and are checked for invariants.
 """
 
+import copy
+
 import torch
 from transformers import DynamicCache, GenerationConfig, pipeline
 
@@ -239,6 +241,31 @@ def test_crop_rolls_back_every_region_exactly(tiny_model, tiny_codebooks_dir):
         assert torch.equal(cache.layers[1].key_codes[..., : codes_before.shape[-2], :], codes_before)
         cache.crop(-29)  # into the codes and the sinks
         assert cache.layers[0].region_lengths() == {"sinks": 1, "codes": 0, "window": 0}
+
+
+def test_deepcopy_shares_the_codebooks_and_copies_the_tokens(tiny_model, tiny_codebooks_dir):
+    """transformers' prefix-caching recipe: fill a cache with a prompt once, deep-copy it for each request."""
+    from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
+
+    ids = _prompt(1, 40, seed=9)
+    with torch.inference_mode():
+        prompt_cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        tiny_model(ids[:, :30], cache=prompt_cache)
+        tiny_model(ids[:, 30:31], cache=prompt_cache)
+        copied = copy.deepcopy(prompt_cache)
+        assert copied.codebooks is prompt_cache.codebooks
+        assert all(mine.key_codec is theirs.key_codec and mine.value_codec is theirs.value_codec
+                   for mine, theirs in zip(copied.layers, prompt_cache.layers))
+        # the copy shares what any other cache of these codebooks shares, and holds its own copy of every token
+        shared = shared_storages(prompt_cache, copied)
+        assert shared == shared_storages(prompt_cache, GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED))
+        assert cache_bytes(copied, excluding=shared) == cache_bytes(prompt_cache, excluding=shared) > 0
+        assert copied.ledger is not prompt_cache.ledger and copied.layers[0].ledger is copied.ledger
+
+        rest = ids[:, 31:]  # crosses a flush of the 4-token window
+        from_copy = tiny_model(rest, cache=copied).logits
+        assert prompt_cache.get_seq_length() == 31 and copied.get_seq_length() == 40
+        torch.testing.assert_close(from_copy, tiny_model(rest, cache=prompt_cache).logits, rtol=0, atol=0)
 
 
 def test_batch_operations_match_dynamic_cache(tiny_model, tiny_codebooks_dir):

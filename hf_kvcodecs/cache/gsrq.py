@@ -14,6 +14,7 @@ after decoding. Positions are recorded once per cache (not per layer) in a share
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -503,6 +504,25 @@ class GSRQCache(Cache):
             self.ledger.forget_angles()  # transient: not held between forward passes (code-reading attention
             # still needs them for this layer and releases them itself)
         return keys, values
+
+    def __deepcopy__(self, memo):
+        """A copy of the held tokens that shares the codebooks and per-layer codecs (with the decode tables built on
+        them) with this cache, as a second cache built from the same codebooks does. transformers' prefix-caching
+        recipe deep-copies a prompt's cache once per request; copying the model-level tables too would cost their
+        100+ MiB per copy on the default model and rebuild them on the copy's first step."""
+        for shared in self._model_level_state():
+            memo.setdefault(id(shared), shared)
+        copied = self.__class__.__new__(self.__class__)
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
+
+    def _model_level_state(self) -> list:
+        state = [self.codebooks]
+        for layer in self.layers:
+            state += [layer.key_codec, layer.value_codec, layer.rope_inv_freq]
+        return [item for item in state if item is not None]
 
     # The ledger follows every batch/rollback operation the layers get.
     def reorder_cache(self, beam_idx):
