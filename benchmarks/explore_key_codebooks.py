@@ -40,7 +40,7 @@ from hf_kvcodecs.bench.harness import CacheMethod, evaluate_methods, full_precis
 from hf_kvcodecs.cache import GSRQCache
 from hf_kvcodecs.cache.rope import find_rotary_parameters
 from hf_kvcodecs.calibration.collect import collect_kv_samples
-from hf_kvcodecs.calibration.store import _calibration_defaults, ensure_codebooks
+from hf_kvcodecs.calibration.store import calibration_defaults, ensure_codebooks
 from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.models import load_model
 from hf_kvcodecs.text import CALIBRATION_DEFAULT, EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -119,7 +119,7 @@ def fit_headwise(keys, stages, fit_settings, layer_seed, conditional: bool) -> H
 def run_seed(loaded, seed: int, passkey_trials: int, progress: bool) -> dict:
     per_head, _, _ = ensure_codebooks(loaded, seed=seed, progress=progress)
     joint, _, _ = ensure_codebooks(loaded, seed=seed, key_layout="joint_heads", progress=progress)
-    defaults = _calibration_defaults()  # what the default calibration above was fitted with
+    defaults = calibration_defaults()  # what the default calibration above was fitted with
     window, sampled, windows, holdout = (defaults[name] for name in
                                          ("window_tokens", "sampled_tokens_per_window", "num_windows", "holdout_windows"))
     fit_settings = dict(n_iter=defaults["n_iter"], fit_rows=defaults["fit_rows"])

@@ -121,6 +121,9 @@ def test_bit_rates_can_be_chosen_and_are_recorded(runs, calibrations):
     assert rows == ["fp32 DynamicCache", "same codec, l2 k-means codebooks 2.5-bit"]
     assert "--bits 2.5 " in recorded and runs(recorded) == (rows, recorded)
     assert calibrations[-1]["bits"] == 2.5  # calibrated at the highest rate asked for
+    # a joint code over both heads pays one index for 32 elements: 0.8 bits is more than one stage
+    rows, _ = runs("hf-kvcodecs bench kv --baselines --learners l2 --key-layout joint_heads --bits 0.8 2")
+    assert rows[1:] == [f"same codec, l2 k-means codebooks, keys joint over heads {bits}-bit" for bits in ("0.8", "2")]
 
 
 def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
@@ -130,6 +133,11 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
         runs("hf-kvcodecs bench kv --bits 2 2")
     with pytest.raises(ValueError, match="bits must be a positive"):
         runs("hf-kvcodecs bench kv --bits 0")
+    # tiny model: head_dim 16, 2 KV heads; one 8-bit index + an 8-bit scale per head vector = 1 bit per element
+    with pytest.raises(ValueError, match=r"--bits 0.8 is below the lowest rate .* keys coded per head \(1.000 bits"):
+        runs("hf-kvcodecs bench kv --bits 0.8 2")
+    with pytest.raises(ValueError, match=r"--bits 0.7 is below .* keys coded joint over heads \(0.750 bits"):
+        runs("hf-kvcodecs bench kv --bits 0.7 --key-layout joint_heads")
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
     assert calibrations == []

@@ -10,12 +10,12 @@ import torch
 
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS
-from ..codecs.residual import check_bit_rate
+from ..codecs.residual import check_bit_rate, lowest_bit_rate
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from ..codecs.kmeans import BEST_GSKM_LEARNER
-from ..calibration.store import ensure_codebooks
+from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
-from ..models import LoadedModel
+from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .harness import CacheMethod, evaluate_methods, shipped_baselines
 from .report import write_reports
@@ -129,6 +129,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     layout = codec_layout(key_layout, value_layout)
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
+    check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants)])
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
@@ -144,6 +145,26 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                                     calibration_text=calibration_text, threads=torch.get_num_threads())
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
+
+
+def check_rates_offered(config, rates, layouts) -> None:
+    """Refuse, before any calibration, a rate below what one residual stage plus the scales cost in one of the
+    ``layouts`` (calibration settings, as from :func:`codec_layout`) to be measured."""
+    defaults, fingerprint = calibration_defaults(), model_fingerprint(config)
+    codebook_bits, scale_bits = defaults["codebook_bits"], defaults["scale_bits"]
+    for layout in layouts:
+        for kind in ("key", "value"):
+            chosen = layout.get(f"{kind}_layout", defaults[f"{kind}_layout"])
+            heads = fingerprint["num_key_value_heads"] if chosen == "joint_heads" else 1
+            lowest = lowest_bit_rate(fingerprint["head_dim"], codebook_bits, scale_bits, heads)
+            too_low = [rate for rate in rates if rate < lowest - 1e-9]
+            if too_low:
+                raise ValueError(
+                    f"--bits {too_low[0]:g} is below the lowest rate GSRQ offers for this model's {kind}s coded "
+                    f"{_LAYOUT_WORDS[chosen]} ({lowest:.3f} bits per element: one {codebook_bits}-bit codebook index "
+                    f"plus the {scale_bits}-bit scale{'s' if heads > 1 else ''} per {heads * fingerprint['head_dim']} "
+                    f"elements). Choose rates of at least {lowest:.3f}."
+                )
 
 
 def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,

@@ -34,7 +34,7 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     # old one, and a setting passed at its default value names the same codebooks as leaving it out.
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
                 "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION,
-                **_calibration_defaults(), **settings}
+                **calibration_defaults(), **settings}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"
@@ -49,7 +49,7 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     return codebooks, directory, False
 
 
-def _calibration_defaults() -> dict:
+def calibration_defaults() -> dict:
     """The default value of every fit setting (what a calibration uses for a setting it is not given)."""
     return {name: parameter.default for name, parameter in inspect.signature(fit_gsrq_codebooks).parameters.items()
             if parameter.kind == parameter.KEYWORD_ONLY and parameter.default is not parameter.empty

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
-from .residual import FP16_SCALE_BITS, TransformResidualVQ, stages_for_rate
+from .residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -87,7 +87,7 @@ class GSRQCodebooks:
         codecs = self.key_codecs if kind == "keys" else self.value_codecs
         # a code covers one head vector, or all of a token's heads (each with its own scale)
         heads = codecs[0].num_heads if self.layout(kind) == "joint_heads" else 1
-        lowest = (heads * self.scale_bits + codebook_bits) / (heads * self.head_dim)
+        lowest = lowest_bit_rate(self.head_dim, codebook_bits, self.scale_bits, heads)
         if bits < lowest - 1e-9:
             raise ValueError(f"bits={bits} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} bits/element).")
         stages = stages_for_rate(bits, self.head_dim, codebook_bits, self.scale_bits, heads)

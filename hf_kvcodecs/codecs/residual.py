@@ -500,6 +500,12 @@ def _metric_roots(metric, num_heads: int, head_dim: int):
     return root.float(), inverse_root.float()
 
 
+def lowest_bit_rate(head_dim: int, codebook_bits: int, scale_bits: int = LOG_SCALE_BITS, heads: int = 1) -> float:
+    """Bits per element of one residual stage plus the scales: the lowest rate a codec offers (``heads`` as in
+    :func:`stages_for_rate`)."""
+    return (heads * scale_bits + codebook_bits) / (heads * head_dim)
+
+
 def stages_for_rate(bits_per_element: float, head_dim: int, codebook_bits: int, scale_bits: int = LOG_SCALE_BITS,
                     heads: int = 1) -> int:
     """Residual stages that fit in ``bits_per_element`` once the scale of each head vector is paid for; ``heads`` > 1
