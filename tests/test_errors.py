@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -363,6 +364,28 @@ def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_di
     with pytest.raises(CodebookFileError, match="two different saves"):
         GSRQCodebooks.load(target)
     codebooks.save(target)
+    GSRQCodebooks.load(target)
+
+
+def test_saved_files_reach_the_disk_before_they_are_moved_into_place(tiny_codebooks_dir, tmp_path, monkeypatch):
+    import hf_kvcodecs.codecs.gsrq_codebooks as module
+
+    codebooks, events = GSRQCodebooks.load(tiny_codebooks_dir), []
+    real_fsync, real_replace, real_open = module.os.fsync, module.os.replace, module.os.open
+    opened = {}
+
+    def recording_open(path, flags, *args):
+        descriptor = real_open(path, flags, *args)
+        opened[descriptor] = Path(path).name
+        return descriptor
+
+    monkeypatch.setattr(module.os, "open", recording_open)
+    monkeypatch.setattr(module.os, "fsync", lambda fd: (events.append(("fsync", opened[fd])), real_fsync(fd)))
+    monkeypatch.setattr(module.os, "replace", lambda a, b: (events.append(("replace", Path(b).name)), real_replace(a, b)))
+    target = codebooks.save(tmp_path / "codebooks")
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["fsync", "fsync", "replace", "replace", "fsync"]
+    assert all(name.endswith(".partial") for _, name in events[:2]) and events[-1] == ("fsync", target.name)
     GSRQCodebooks.load(target)
 
 

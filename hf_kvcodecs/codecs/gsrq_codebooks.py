@@ -164,8 +164,11 @@ class GSRQCodebooks:
             save_file(tensors, str(staged[TENSORS_FILE]),
                       metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "save_id": save_id})
             staged[METADATA_FILE].write_text(json.dumps(metadata, indent=2, sort_keys=True))
+            for path in staged.values():  # on disk before the moves, so a power loss cannot leave moved empty files
+                _fsync(path)
             for name, path in staged.items():
                 os.replace(path, directory / name)
+            _fsync(directory)
         finally:
             for path in staged.values():
                 path.unlink(missing_ok=True)
@@ -259,6 +262,20 @@ class GSRQCodebooks:
             key_codecs, value_codecs, config, metadata["fingerprint"], metadata.get("calibration", {}),
             inv_freq, float(scaling),
         )
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory's entries) to disk; skipped where the platform cannot open directories."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
 
 
 def holds_codebooks(directory: str | Path) -> bool:
