@@ -156,6 +156,46 @@ def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
             plain(ids[:, :1], cache=cache)
 
 
+def test_a_model_switched_off_the_stand_in_gets_a_clear_error_before_any_output(tiny_codebooks_dir):
+    torch.manual_seed(0)
+    switched = LlamaForCausalLM(tiny_llama_config()).eval()
+    enable_code_attention(switched)
+    cache = GSRQCache(switched.config, codebooks=tiny_codebooks_dir, **CODED)
+    assert cache.attention_path == "codes"
+    switched.set_attn_implementation("eager")
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="now uses attn_implementation='eager'"):
+        switched(_prompt(batch=1), cache=cache)  # before: NaN logits from this first call, the error only at the next
+
+
+def test_calls_the_code_reading_op_cannot_serve_take_the_dequantize_path(tiny_codebooks_dir):
+    """Attention weights (output_attentions) and gradients: the op returns no weights and has no autograd formula,
+    so those calls attend over decoded states, as the dequantize path does, instead of returning none / wrong ones."""
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_llama_config()).eval()
+    eager.set_attn_implementation("eager")
+    ids = _prompt(batch=2, length=40)
+    settings = dict(max_new_tokens=6, output_attentions=True)
+    expected, _ = _generate(eager, ids, tiny_codebooks_dir, "dequantize", **settings)
+    out = eager.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, cache_config={"codebooks": str(tiny_codebooks_dir), **CODED},
+                         **settings)
+    assert out.past_key_values.attention_path == "codes" and torch.equal(out.sequences, expected)
+    assert [len(step) for step in out.attentions] == [2] * 6  # every step, every layer (none came back before)
+    assert out.attentions[-1][0].shape == (2, 4, 1, 45)  # the last step attends 40 + 5 tokens
+
+    def decode_step_gradient(path):
+        cache = GSRQCache(eager.config, codebooks=tiny_codebooks_dir, attention=path, **CODED)
+        with torch.no_grad():
+            eager(ids, cache=cache)
+        embeddings = eager.get_input_embeddings()(ids[:, -1:]).detach().requires_grad_()
+        eager(inputs_embeds=embeddings, cache=cache).logits.square().sum().backward()
+        return embeddings.grad, cache.layers[0].last_attention
+
+    gradient, attended = decode_step_gradient("codes")
+    assert attended == "dequantize"
+    torch.testing.assert_close(gradient, decode_step_gradient("dequantize")[0], rtol=0, atol=0)
+
+
 def test_invalid_attention_choice_is_rejected(tiny_codebooks_dir):
     with pytest.raises(ValueError, match="attention must be one of"):
         GSRQCache(codebooks=tiny_codebooks_dir, attention="fast")

@@ -9,7 +9,7 @@ import copy
 import torch
 from transformers import DynamicCache, GenerationConfig, pipeline
 
-from hf_kvcodecs import GSRQCache
+from hf_kvcodecs import GSRQCache, GSRQCodebooks
 from hf_kvcodecs.codecs.residual import TransformResidualVQ
 
 EXACT = {"window_length": 10_000}
@@ -266,6 +266,29 @@ def test_deepcopy_shares_the_codebooks_and_copies_the_tokens(tiny_model, tiny_co
         from_copy = tiny_model(rest, cache=copied).logits
         assert prompt_cache.get_seq_length() == 31 and copied.get_seq_length() == 40
         torch.testing.assert_close(from_copy, tiny_model(rest, cache=prompt_cache).logits, rtol=0, atol=0)
+
+
+def test_iterating_yields_decoded_layers_like_dynamic_cache(tiny_model, tiny_codebooks_dir):
+    ids = _prompt(2, 20, seed=10)
+    with torch.inference_mode():
+        exact, dynamic = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **EXACT), DynamicCache()
+        coded = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
+        for cache in (exact, dynamic, coded):
+            tiny_model(ids, cache=cache)
+    for (keys, values, sliding), layer in zip(exact, dynamic.layers):
+        assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values) and sliding is None
+    converted = DynamicCache(list(coded))  # e.g. to hand a coded cache to code that needs DynamicCache
+    for (keys, values), layer in zip((layer.dequantized_keys_and_values() for layer in coded.layers), converted.layers):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values) and keys.shape[-2] == 20
+    empty = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir)
+    assert list(empty) == [(None, None, None)] * 2
+
+
+def test_codebooks_given_as_an_object_are_used_as_they_are(tiny_model, tiny_codebooks_dir):
+    codebooks = GSRQCodebooks.load(tiny_codebooks_dir)
+    out = _greedy(tiny_model, _prompt(), cache_implementation="gsrq", return_dict_in_generate=True,
+                  cache_config={"codebooks": codebooks, **CODED})
+    assert out.past_key_values.codebooks is codebooks  # not a per-call deep copy of the model-level tables
 
 
 def test_batch_operations_match_dynamic_cache(tiny_model, tiny_codebooks_dir):

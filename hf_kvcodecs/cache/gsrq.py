@@ -465,7 +465,9 @@ class GSRQCache(Cache):
         ]
         super().__init__(layers=layers)
         self.attention = attention
-        implementation = None if config is None else config.get_text_config(decoder=True)._attn_implementation
+        # kept to notice a model switched off the code-reading attention after this cache was built
+        self.text_config = None if config is None else config.get_text_config(decoder=True)
+        implementation = None if config is None else self.text_config._attn_implementation
         if attention == "auto":
             attention = "codes" if is_code_attention(implementation) else "dequantize"
         elif attention == "codes" and config is not None and not is_code_attention(implementation):
@@ -488,6 +490,15 @@ class GSRQCache(Cache):
                 f"The model has more layers than the GSRQ codebooks ({len(self.layers)}); they belong to another model."
             )
         if layer_idx == 0:
+            if self.attention_path == "codes" and self.text_config is not None:
+                implementation = self.text_config._attn_implementation
+                if not is_code_attention(implementation):
+                    # the layers would hand its attention placeholders (NaN) instead of keys and values
+                    raise RuntimeError(
+                        f"This GSRQCache reads codes, but the model now uses attn_implementation={implementation!r}, "
+                        "which cannot: switch back with `hf_kvcodecs.enable_code_attention(model)`, or build the "
+                        "cache with cache_config={'attention': 'dequantize'} (or 'auto' after the switch)."
+                    )
             forward_kwargs = kwargs.get("kwargs") or {}
             held = self.layers[0].region_lengths()
             padding_before = self.ledger.leading_padding
@@ -505,6 +516,13 @@ class GSRQCache(Cache):
             # still needs them for this layer and releases them itself)
         return keys, values
 
+    def __iter__(self):
+        """``(keys, values, None)`` per layer, as ``DynamicCache`` yields them: every held token decoded to full
+        precision (a copy made for the caller; ``None`` for a layer not filled yet)."""
+        for layer in self.layers:
+            keys, values = layer.dequantized_keys_and_values() if layer.is_initialized else (None, None)
+            yield keys, values, None
+
     def __deepcopy__(self, memo):
         """A copy of the held tokens that shares the codebooks and per-layer codecs (with the decode tables built on
         them) with this cache, as a second cache built from the same codebooks does. transformers' prefix-caching
@@ -519,7 +537,7 @@ class GSRQCache(Cache):
         return copied
 
     def _model_level_state(self) -> list:
-        state = [self.codebooks]
+        state = [self.codebooks, self.text_config]
         for layer in self.layers:
             state += [layer.key_codec, layer.value_codec, layer.rope_inv_freq]
         return [item for item in state if item is not None]

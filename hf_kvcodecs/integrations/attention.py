@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CODE_ATTENTION_PREFIX = "gsrq_"
@@ -49,7 +51,10 @@ def _make_attention(original_name: str):
             scaling = query.shape[-1] ** -0.5
         layer.mark_attended()
         try:
-            if not uses_codes(layer, query):  # prefill-sized blocks: the model's own attention on decoded states
+            # The model's own attention on decoded states for prefill-sized blocks, and wherever the code-reading op
+            # cannot serve the call: it returns no attention weights (output_attentions) and has no autograd formula.
+            if (not uses_codes(layer, query) or kwargs.get("output_attentions")
+                    or (torch.is_grad_enabled() and query.requires_grad)):
                 layer.last_attention = "dequantize"
                 keys, values = layer.dequantized_keys_and_values()
                 return original_attention(original_name, module)(

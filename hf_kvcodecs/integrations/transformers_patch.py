@@ -9,7 +9,6 @@ refuses to apply (with a clear error) if those symbols are not what this version
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import logging
@@ -92,7 +91,8 @@ def _wrap_prepare_cache(generation_mixin) -> None:
         ):
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-            cache_kwargs = copy.deepcopy(generation_config.cache_config) if generation_config.cache_config else {}
+            # a shallow copy: codebooks passed as an object are model-level tables, not per-call state
+            cache_kwargs = dict(generation_config.cache_config) if generation_config.cache_config else {}
             if cache_kwargs.get("attention", "auto") != "dequantize" and getattr(CACHE_IMPLEMENTATIONS[implementation], "reads_codes", False):
                 from .attention import enable_code_attention
 
