@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -97,12 +98,24 @@ def cmd_bench_memory(args) -> int:
     return 0
 
 
+def _decode_command(args) -> str:
+    """The ``bench decode`` command line that reproduces a run (options at their defaults left out)."""
+    words = ["hf-kvcodecs", "bench", "decode", "--model", args.model]
+    options = [(["--threads", str(args.threads)], args.threads is not None),
+               (["--contexts", *map(str, args.contexts)], list(args.contexts) != [1024, 4096, 8192]),
+               (["--steps", str(args.steps)], args.steps != 132), (["--repeats", str(args.repeats)], args.repeats != 2),
+               (["--no-post-rope"], args.no_post_rope), (["--text", *(args.text or ())], bool(args.text)),
+               (["--only", *(args.only or ())], bool(args.only))]
+    return shlex.join(words + [word for option, given in options if given for word in option])
+
+
 def cmd_bench_decode(args) -> int:
     from .bench.decode import decode_markdown, plot_decode_speed, run_decode_benchmark
 
     loaded = _load(args)
     results = run_decode_benchmark(loaded, contexts=tuple(args.contexts), steps=args.steps, repeats=args.repeats,
-                                   text=args.text, include_post_rope=not args.no_post_rope)
+                                   text=args.text, include_post_rope=not args.no_post_rope, only=args.only)
+    results["command"] = _decode_command(args)
     _write_results(Path(args.out), "decode", results, decode_markdown(results))
     plot_decode_speed(results, Path(args.out) / "decode.png")
     return 0
@@ -298,7 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 "'conditional_heads': one code per head vector, each head predicted from the heads "
                                 "decoded before it (about the joint error at the per-head rate)")
     calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(LAYOUTS["values"]),
-                           help="the same for values (default joint_heads: lower error at about the same decode speed)")
+                           help="'per_head' / 'joint_heads' as for keys (default joint_heads: lower error at about "
+                                "the same decode speed); 'given_keys': one code per token for all heads of what a "
+                                "prediction from the token's decoded keys leaves (lower error still; attention then "
+                                "decodes the history instead of reading codes)")
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
                            help="per-vector scale: 8-bit log-uniform levels (default) or fp16")
@@ -371,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--no-post-rope", action="store_true",
                         help="skip the GSRQ variant with keys coded after RoPE (it needs its own calibration)")
     decode.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
+    decode.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="measure only the rows whose names contain one of these (the fp32 reference always "
+                             "runs), e.g. --only 'quanto 4' 'values given the keys'")
     decode.set_defaults(func=cmd_bench_decode)
     return parser
 

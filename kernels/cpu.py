@@ -153,7 +153,7 @@ def coded_attention_cpu(
 def prerope_decode_attention(
     native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, codebook_size,
     value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis,
-    mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys: bool = False,
+    mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys: bool = False, value_prediction=None,
 ):
     """Decode attention over keys coded before RoPE in one compiled call (``decode_attention`` in ``cpu_native.cpp``:
     key loop, exact tokens, masks, one softmax, value sums and synthesis) -> (output ``[B, Hq, Lq, D]``, lse), fp32.
@@ -165,7 +165,13 @@ def prerope_decode_attention(
 
     ``conditional_keys``: the keys are coded head by head, each conditionally on the heads before it; ``key_table``
     is then :func:`conditional_key_table`'s flat table and ``key_mean`` ``[H, H*D]`` (row ``j``: source head ``j``'s
-    mean pairs ``[H, D]`` flattened)."""
+    mean pairs ``[H, D]`` flattened).
+
+    ``value_prediction``: values coded given the keys (the value operands are then the residual code's), as
+    ``(key codes [B, Hs, N, S], key scales [B, Hs, N], their levels [Hs, 256] or None, key codebooks [1 or Hs, S, K,
+    g], stage groups [1 or Hs, S], mean [Hs, H, D], synthesis [Hs, H, Dt, D], bias [H, D])``: value head ``h`` of a
+    coded token gains ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) + bias[h]`` (see
+    ``KeyPredictedValueVQ.attention_operands``)."""
     batch, query_heads, query_length, dim = query.shape
     kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
     rows = (query_heads // kv_heads) * query_length
@@ -184,9 +190,18 @@ def prerope_decode_attention(
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),
         None if exact_keys is None else _per_batch_row(exact_mask, batch, query_length),
-        query_length, float(scaling), conditional_keys,
+        query_length, float(scaling), conditional_keys, *_prediction_operands(value_prediction),
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _prediction_operands(value_prediction) -> tuple:
+    if value_prediction is None:
+        return (None,) * 8
+    codes, scales, levels, codebooks, stage_groups, mean, synthesis, bias = value_prediction
+    return (codes.contiguous(), (scales if levels is not None else scales.float()).contiguous(), levels,
+            codebooks.float().contiguous(), stage_groups.long().contiguous(), mean.float().contiguous(),
+            synthesis.float().contiguous(), bias.float().contiguous())
 
 
 def _per_batch_row(mask, batch: int, query_length: int):

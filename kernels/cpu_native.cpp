@@ -551,7 +551,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     const at::Tensor& value_codebooks, const at::Tensor& value_stage_groups, const at::Tensor& value_mean,
     const at::Tensor& value_synthesis, const c10::optional<at::Tensor>& coded_mask,
     const at::Tensor& exact_keys, const at::Tensor& exact_values, const c10::optional<at::Tensor>& exact_mask,
-    int64_t query_length, double scaling, bool conditional_keys) {
+    int64_t query_length, double scaling, bool conditional_keys, const c10::optional<at::Tensor>& predicted_codes,
+    const c10::optional<at::Tensor>& predicted_scales, const c10::optional<at::Tensor>& predicted_scale_levels,
+    const c10::optional<at::Tensor>& predicted_codebooks, const c10::optional<at::Tensor>& predicted_stage_groups,
+    const c10::optional<at::Tensor>& predicted_mean, const c10::optional<at::Tensor>& predicted_synthesis,
+    const c10::optional<at::Tensor>& predicted_bias) {
   check(q.dim() == 4 && key_codes.dim() == 4, "unexpected ranks");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = key_codes.size(2), exact = exact_keys.size(2), width = tokens + exact;
@@ -624,6 +628,50 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   scores.exp_();  // ATen's vectorized exp; unnormalized weights: the outputs are divided by the totals instead
   auto [z, weight_sum] = value_transform_sums(scores, value_codes, value_scales, value_scale_levels, value_codebooks,
                                               value_stage_groups, transform_dim);
+  // Values coded given the keys (v = residual + k^ @ A + bias): the value codes above hold the residual, and each
+  // source key head j adds sum_t p_t s_tj (mean_j + z_tj @ synthesis_j) @ A[j, h] to every value head h, i.e.
+  // w_j * predicted_mean[j, h] + z_j @ predicted_synthesis[j, h] with z_j, w_j a histogram of head j's key codes over
+  // the query rows of all heads (each value head reads every key head).
+  const bool predicted = predicted_codes.has_value();
+  int64_t source_heads = 0, predicted_dim = 0;
+  std::vector<at::Tensor> predicted_sums;  // per source head: z [B, 1, H*M, Dt'] and w [B, 1, H*M]
+  if (predicted) {
+    check(predicted_scales.has_value() && predicted_codebooks.has_value() && predicted_stage_groups.has_value() &&
+              predicted_mean.has_value() && predicted_synthesis.has_value() && predicted_bias.has_value(),
+          "predicted values need codes, scales, codebooks, stage groups, mean, synthesis and bias");
+    const at::Tensor& codes = *predicted_codes;
+    check(codes.dim() == 4 && codes.size(0) == batch && codes.size(2) == tokens,
+          "predicted codes must be [batch, source heads, coded tokens, stages]");
+    source_heads = codes.size(1);
+    const at::Tensor& synthesis = *predicted_synthesis;
+    check(synthesis.scalar_type() == at::kFloat && synthesis.is_contiguous() && synthesis.dim() == 4 &&
+              synthesis.size(0) == source_heads && synthesis.size(1) == heads && synthesis.size(3) == dim,
+          "predicted_synthesis must be contiguous float32 [source heads, heads, transform_dim, head_dim]");
+    predicted_dim = synthesis.size(2);
+    check(predicted_mean->scalar_type() == at::kFloat && predicted_mean->is_contiguous() &&
+              predicted_mean->dim() == 3 && predicted_mean->size(0) == source_heads &&
+              predicted_mean->size(1) == heads && predicted_mean->size(2) == dim,
+          "predicted_mean must be contiguous float32 [source heads, heads, head_dim]");
+    check(predicted_bias->scalar_type() == at::kFloat && predicted_bias->is_contiguous() &&
+              predicted_bias->dim() == 2 && predicted_bias->size(0) == heads && predicted_bias->size(1) == dim,
+          "predicted_bias must be contiguous float32 [heads, head_dim]");
+    check(predicted_codebooks->dim() == 4 && predicted_stage_groups->dim() == 2 &&
+              (predicted_codebooks->size(0) == 1 || predicted_codebooks->size(0) == source_heads) &&
+              predicted_stage_groups->size(0) == predicted_codebooks->size(0),
+          "predicted codebooks must be [1 or source heads, stages, K, g] with stage groups [1 or source heads, stages]");
+    const auto all_rows = scores.view({batch, 1, heads * rows, width});
+    for (int64_t j = 0; j < source_heads; ++j) {
+      const int64_t book = predicted_codebooks->size(0) == 1 ? 0 : j;
+      c10::optional<at::Tensor> levels;
+      if (predicted_scale_levels.has_value()) levels = predicted_scale_levels->narrow(0, j, 1).contiguous();
+      auto [zj, wj] = value_transform_sums(all_rows, codes.narrow(1, j, 1).contiguous(),
+                                           predicted_scales->narrow(1, j, 1).contiguous(), levels,
+                                           (*predicted_codebooks)[book].contiguous(),
+                                           (*predicted_stage_groups)[book].contiguous(), predicted_dim);
+      predicted_sums.push_back(zj.contiguous());
+      predicted_sums.push_back(wj.contiguous());
+    }
+  }
   auto out = at::empty({batch, heads, rows, dim}, q.options());
   auto lse = at::empty({batch, heads, rows}, q.options());
   const float* zp = z.const_data_ptr<float>();
@@ -651,6 +699,26 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
         if (c == 0.f) continue;  // components no stage codes (weak principal components) stay exactly zero
         const float* srow = synthesis + j * dim;
         for (int64_t d = 0; d < dim; ++d) acc[d] += c * srow[d];
+      }
+      if (predicted) {
+        const float* pm = predicted_mean->const_data_ptr<float>();
+        const float* ps = predicted_synthesis->const_data_ptr<float>();
+        for (int64_t j = 0; j < source_heads; ++j) {
+          const float w_j = predicted_sums[2 * j + 1].const_data_ptr<float>()[row];  // rows of [B, 1, H*M] = [B, H, M]
+          const float* mean = pm + (j * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) acc[d] += w_j * mean[d];
+          const float* zj = predicted_sums[2 * j].const_data_ptr<float>() + row * predicted_dim;
+          const float* synthesis_j = ps + (j * heads + h) * predicted_dim * dim;
+          for (int64_t k = 0; k < predicted_dim; ++k) {
+            const float c = zj[k];
+            if (c == 0.f) continue;
+            const float* srow = synthesis_j + k * dim;
+            for (int64_t d = 0; d < dim; ++d) acc[d] += c * srow[d];
+          }
+        }
+        const float coded_weight = row_sum(weights, tokens);  // the bias is predicted for the coded tokens only
+        const float* bias = predicted_bias->const_data_ptr<float>() + h * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += coded_weight * bias[d];
       }
       const float* values = ev + bh * exact * dim;
       for (int64_t t = 0; t < exact; ++t) {
@@ -812,7 +880,10 @@ TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
         "Tensor key_mean, Tensor cos, Tensor sin, int codebook_size, Tensor value_codes, Tensor value_scales, "
         "Tensor? value_scale_levels, Tensor value_codebooks, Tensor value_stage_groups, Tensor value_mean, "
         "Tensor value_synthesis, Tensor? coded_mask, Tensor exact_keys, Tensor exact_values, Tensor? exact_mask, "
-        "int query_length, float scaling, bool conditional_keys=False) -> (Tensor, Tensor)");
+        "int query_length, float scaling, bool conditional_keys=False, Tensor? predicted_codes=None, "
+        "Tensor? predicted_scales=None, Tensor? predicted_scale_levels=None, Tensor? predicted_codebooks=None, "
+        "Tensor? predicted_stage_groups=None, Tensor? predicted_mean=None, Tensor? predicted_synthesis=None, "
+        "Tensor? predicted_bias=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {

@@ -56,6 +56,13 @@ def tiny_joint_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
                            key_layout="joint_heads", value_layout="joint_heads")
 
 
+@pytest.fixture(scope="session")
+def tiny_given_keys_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
+    """Keys per head, values coded jointly given the token's decoded keys."""
+    return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_given_keys_codebooks"),
+                           value_layout="given_keys")
+
+
 def _tiny_codebooks(model, token_stream, directory, **settings):
     fit_gsrq_codebooks(
         model, token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},

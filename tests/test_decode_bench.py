@@ -50,3 +50,26 @@ def test_decode_table_reports_prefill_time_next_to_decode_speed():
     table = decode_markdown(results)
     assert "| GSRQ | 3.00 (1.50×) |" in table and "prefill s @1024 (×)" in table
     assert "16.0 (0.80×)" in table
+
+
+def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny_model, tiny_codebooks_dir):
+    from hf_kvcodecs import GSRQCodebooks
+    from hf_kvcodecs.bench import decode
+    from hf_kvcodecs.models import LoadedModel
+
+    calibrated, codebooks = [], GSRQCodebooks.load(tiny_codebooks_dir)
+
+    def fake_calibration(loaded, **settings):
+        calibrated.append(settings)
+        return codebooks, tiny_codebooks_dir, True
+
+    monkeypatch.setattr(decode, "ensure_codebooks", fake_calibration)
+    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    names = [m.name for m in decode.decode_methods(loaded, only=["values given the keys"], progress=False)]
+    assert names == [decode.REFERENCE, "GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes, keys "
+                     "conditional on earlier heads, values given the keys"]
+    assert [(c["key_layout"], c["value_layout"]) for c in calibrated] == [("conditional_heads", "given_keys")]
+    calibrated.clear()
+    everything = decode.decode_methods(loaded, progress=False)
+    assert len(calibrated) == 1 + len(decode.LAYOUT_VARIANTS) + 1  # default, the variants, keys after RoPE
+    assert len(everything) > len(names) and "bf16 DynamicCache" in [m.name for m in everything]

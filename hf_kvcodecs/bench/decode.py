@@ -50,7 +50,9 @@ DECODE_STEPS = 132
 # coded conditionally on the heads before them.
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}),
-                   (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
+                   (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}),
+                   (", keys conditional on earlier heads, values given the keys",
+                    {"key_layout": "conditional_heads", "value_layout": "given_keys"}))
 GSRQ_BITS = 2.0
 REFERENCE = "fp32 DynamicCache"
 
@@ -67,8 +69,14 @@ class DecodeMethod:
 
 
 def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_text=None, store=None,
-                   progress: bool = True, include_post_rope: bool = True) -> list[DecodeMethod]:
+                   progress: bool = True, include_post_rope: bool = True, only=None) -> list[DecodeMethod]:
+    """Every row of ``bench decode``; with ``only`` (substrings), the rows whose names contain one of them, plus the
+    fp32 reference the ratios need (codebooks are calibrated only for rows that stay)."""
     model = loaded.model
+
+    def wanted(name: str) -> bool:
+        return only is None or name == REFERENCE or any(part in name for part in only)
+
     methods = [DecodeMethod(REFERENCE, "full precision", full_precision_method(model).make_cache),
                DecodeMethod("bf16 DynamicCache", "full precision", lambda m: full_precision_method(m).make_cache(m),
                             precision="bf16")]
@@ -76,20 +84,20 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
         if baseline.skip_reason is None and "per-channel" in baseline.name:
             methods.append(DecodeMethod(baseline.name, "transformers QuantizedCache", baseline.make_cache,
                                         extra=baseline.extra, prefill_multiple=baseline.prefill_multiple))
+    methods = [method for method in methods if wanted(method.name)]
     # (key space, codec layouts, description): the default, then what the layouts trade between quality and speed
     calibrations = [("pre_rope", {}, "")]
     calibrations += [("pre_rope", layout, description) for description, layout in LAYOUT_VARIANTS]
     if include_post_rope:
         calibrations.append(("post_rope", {}, ""))
     for key_space, layout, layout_description in calibrations:
-        codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress,
-                                                   learner=DEFAULT_LEARNER, bits=bits, key_space=key_space, **layout)
         paths = ("dequantize", "codes") if key_space == "pre_rope" and not layout else ("codes",)
         variants = [(path, DEFAULT_BEAM_WIDTH, "fp32") for path in paths]
         if key_space == "pre_rope" and not layout:
             variants.append(("codes", 1, "fp32"))  # what the encoder's beam search costs at prefill and buys in quality
             # the same cache on the bf16 copy of the model: a same-dtype comparison with bf16 DynamicCache
             variants.append(("codes", DEFAULT_BEAM_WIDTH, "bf16"))
+        rows = []
         for path, beam_width, precision in variants:
             how = {"dequantize": "dequantize + SDPA",
                    "codes": "code-reading, " + ("keys rebuilt from codes" if key_space == "pre_rope" else "lookup tables")}[path]
@@ -97,8 +105,16 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
                 how += ", greedy encoder" if beam_width == 1 else f", {beam_width}-beam encoder"
             if precision != "fp32":
                 how += f", {precision} model"
+            name = f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}{layout_description}"
+            if wanted(name):
+                rows.append((name, path, beam_width, precision))
+        if not rows:
+            continue
+        codebooks, directory, _ = ensure_codebooks(loaded, store=store, text=calibration_text, progress=progress,
+                                                   learner=DEFAULT_LEARNER, bits=bits, key_space=key_space, **layout)
+        for name, path, beam_width, precision in rows:
             methods.append(DecodeMethod(
-                f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}{layout_description}", "gsrq",
+                name, "gsrq",
                 lambda m, c=codebooks, p=path, w=beam_width: GSRQCache(m.config, codebooks=c, bits=bits, attention=p,
                                                                        beam_width=w),
                 precision=precision, expected_path=path,
@@ -111,14 +127,14 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
 
 def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps: int = DECODE_STEPS, repeats: int = 2,
                          memory_steps: int = 8, text=None, calibration_text=None, store=None,
-                         include_post_rope: bool = True, progress: bool = True) -> dict:
+                         include_post_rope: bool = True, progress: bool = True, only=None) -> dict:
     started = time.perf_counter()
     token_ids = tokenize_corpus(loaded.tokenizer, corpus := load_corpus(text, default=EVALUATION_DEFAULT))
     longest = max(contexts) + max(steps, memory_steps)
     if token_ids.numel() < longest:
         raise ValueError(f"The evaluation text has {token_ids.numel()} tokens; {longest} are needed for these contexts.")
     methods = decode_methods(loaded, calibration_text=calibration_text, store=store, progress=progress,
-                             include_post_rope=include_post_rope)
+                             include_post_rope=include_post_rope, only=only)
     models = {"fp32": loaded.model}
     enable_code_attention(loaded.model)  # GSRQ caches choose their path; every other cache is unaffected
     if any(m.precision == "bf16" for m in methods):
@@ -295,6 +311,7 @@ def decode_markdown(results: dict) -> str:
         f"- Quality: teacher-forced decoding through each cache, {QUALITY['windows']} windows × ({QUALITY['context']} "
         f"prefilled + {QUALITY['continuation']} decoded tokens) from the end of the text; KL and top-1 against "
         f"`{REFERENCE}`; Δppl ± standard error of paired per-window differences",
+        *([f"- Command: `{results['command']}`"] if results.get("command") else []),
         "",
         "| method | KL | top-1 | Δppl % ± se | " + " | ".join(f"tok/s @{c} (×)" for c in contexts)
         + f" | bits/elt held @{longest} | held MiB | transient MiB | shared MiB |",

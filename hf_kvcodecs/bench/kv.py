@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..cache import GSRQCache
-from ..codecs.gsrq_codebooks import LAYOUTS
+from ..codecs.gsrq_codebooks import LAYOUTS, heads_per_code
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
 from ..codecs.kmeans import BEST_GSKM_LEARNER
@@ -92,7 +92,8 @@ def layout_family(layout: dict) -> str:
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
 # How row labels name a layout that differs from the calibration default.
-_LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "conditional_heads": "conditional on earlier heads"}
+_LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "conditional_heads": "conditional on earlier heads",
+                 "given_keys": "given the keys"}
 
 
 def codec_layout(key_layout: str | None = None, value_layout: str | None = None) -> tuple[str, dict]:
@@ -155,7 +156,7 @@ def check_rates_offered(config, rates, layouts) -> None:
     for layout in layouts:
         for kind in ("key", "value"):
             chosen = layout.get(f"{kind}_layout", defaults[f"{kind}_layout"])
-            heads = fingerprint["num_key_value_heads"] if chosen == "joint_heads" else 1
+            heads = heads_per_code(chosen, fingerprint["num_key_value_heads"])
             lowest = lowest_bit_rate(fingerprint["head_dim"], codebook_bits, scale_bits, heads)
             too_low = [rate for rate in rates if rate < lowest - 1e-9]
             if too_low:

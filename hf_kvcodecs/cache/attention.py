@@ -42,9 +42,24 @@ def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int,
 
 
 def uses_codes(layer, query: torch.Tensor) -> bool:
-    """Whether this call reads codes: decode-sized query blocks with a non-empty coded region."""
+    """Whether this call reads codes: decode-sized query blocks with a non-empty coded region (and, for values coded
+    given the keys, where the compiled CPU loop can add their prediction)."""
     group_count = query.shape[1] // layer.key_codec.num_heads
+    if getattr(layer.value_codec, "needs_keys", False) and _native_loop(layer, query) is None:
+        return False
     return layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
+
+
+def _native_loop(layer, query: torch.Tensor):
+    """The compiled CPU library when this layer's attention can be one ``decode_attention`` call, else None."""
+    key_codec = layer.key_codec
+    if layer.key_space != "pre_rope" or query.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    # conditional keys of other shapes than the compiled loop's are rebuilt chunk by chunk by the op's reference
+    if isinstance(key_codec, ConditionalHeadResidualVQ) and not conditional_native_supports(query.shape[-1],
+                                                                                            key_codec.num_heads):
+        return None
+    return native_ops()
 
 
 def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -69,18 +84,24 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
-    # conditional keys of other shapes than the compiled loop's are rebuilt chunk by chunk by the op's reference
     loop_fits = not conditional or conditional_native_supports(dim, key_codec.num_heads)
-    native = native_ops() if pre_rope and on_cpu and loop_fits and not torch.compiler.is_compiling() else None
+    native = _native_loop(layer, query)
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
         key_table, key_mean = _cpu_key_table(key_codec)
-        value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
+        prediction = None
+        if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
+            value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
+            key_heads = key_scales.shape[1]
+            prediction = (layer.key_codes.expand(-1, key_heads, -1, -1), key_scales, key_levels,
+                          *value_codec.attention_prediction(key_codec))
+        else:
+            value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
         out, _ = prerope_decode_attention(
             native, query, layer.key_codes, key_scales, key_levels, key_table, key_mean, *rotary,
             key_codec.codebook_size if conditional else key_codec.codebooks.shape[1], layer.value_codes,
             value_scales, value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, coded_mask,
-            scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional,
+            scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional, value_prediction=prediction,
         )
         return out.to(query.dtype)
     # CPU kernels rebuild pre-RoPE keys from the table (under torch.compile too); for conditional keys only the

@@ -262,7 +262,9 @@ class GSRQLayer(CacheLayerMixin):
                                       self.rope_attention_scaling)
             keys = undo_rope(keys.float(), cos, sin, self.rope_attention_scaling)
         key_codes, key_scales = self._encode(self.key_codec, keys)
-        value_codes, value_scales = self._encode(self.value_codec, values)
+        # values coded given the keys are predicted from the keys as the decoder will see them
+        decoded_keys = self._decode(self.key_codec, key_codes, key_scales) if self._values_need_keys else None
+        value_codes, value_scales = self._encode(self.value_codec, values, decoded_keys)
         self.key_codes = torch.cat([self.key_codes, key_codes], dim=-2)
         self.key_scales = torch.cat([self.key_scales, key_scales], dim=-1)
         self.value_codes = torch.cat([self.value_codes, value_codes], dim=-2)
@@ -271,21 +273,38 @@ class GSRQLayer(CacheLayerMixin):
     def _cos_sin(self, start: int, end: int):
         return self.ledger.rotary_angles(start, end, self.rope_inv_freq, self.rope_attention_scaling)
 
-    def _encode(self, codec: TransformResidualVQ, states: torch.Tensor):
+    @property
+    def _values_need_keys(self) -> bool:
+        return getattr(self.value_codec, "needs_keys", False)
+
+    @staticmethod
+    def _heads_first(states: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [H, B*T, D]
         batch, heads, tokens, dim = states.shape
-        flat = states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
-        codes, scales = codec.encode(flat, gain=self.gain, beam_width=self.beam_width)
+        return states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
+
+    def _encode(self, codec: TransformResidualVQ, states: torch.Tensor, decoded_keys: torch.Tensor | None = None):
+        batch, heads, tokens, dim = states.shape
+        flat = self._heads_first(states)
+        if decoded_keys is None:
+            codes, scales = codec.encode(flat, gain=self.gain, beam_width=self.beam_width)
+        else:
+            codes, scales = codec.encode(flat, self._heads_first(decoded_keys), gain=self.gain,
+                                         beam_width=self.beam_width)
         codes = codes.reshape(codes.shape[0], batch, tokens, -1).permute(1, 0, 2, 3).contiguous()
         scales = scales.reshape(heads, batch, tokens).permute(1, 0, 2).contiguous()
         return codes, scales
 
-    @staticmethod
-    def _decode(codec: TransformResidualVQ, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def _decode(cls, codec: TransformResidualVQ, codes: torch.Tensor, scales: torch.Tensor,
+                decoded_keys: torch.Tensor | None = None) -> torch.Tensor:
         batch, code_heads, tokens, stages = codes.shape
         heads = scales.shape[1]
         flat_codes = codes.permute(1, 0, 2, 3).reshape(code_heads, batch * tokens, stages)
         flat_scales = scales.permute(1, 0, 2).reshape(heads, batch * tokens)
-        decoded = codec.decode(flat_codes, flat_scales)
+        if decoded_keys is None:
+            decoded = codec.decode(flat_codes, flat_scales)
+        else:
+            decoded = codec.decode(flat_codes, flat_scales, cls._heads_first(decoded_keys))
         return decoded.reshape(heads, batch, tokens, codec.head_dim).permute(1, 0, 2, 3)
 
     def dequantized_keys(self) -> torch.Tensor:
@@ -296,7 +315,8 @@ class GSRQLayer(CacheLayerMixin):
         return keys.to(self.dtype)
 
     def dequantized_values(self) -> torch.Tensor:
-        return self._decode(self.value_codec, self.value_codes, self.value_scales).to(self.dtype)
+        decoded_keys = self._decode(self.key_codec, self.key_codes, self.key_scales) if self._values_need_keys else None
+        return self._decode(self.value_codec, self.value_codes, self.value_scales, decoded_keys).to(self.dtype)
 
     def _full_keys(self):
         return torch.cat([self.sink_keys, self.dequantized_keys(), self.window_keys], dim=-2)

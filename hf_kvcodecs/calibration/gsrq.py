@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residual_vq
-from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory
+from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
+from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import (
@@ -83,6 +84,9 @@ def fit_gsrq_codebooks(
     if key_layout == CONDITIONAL_LAYOUT and key_space != "pre_rope":
         raise ValueError("key_layout='conditional_heads' predicts keys before RoPE (the prediction does not commute "
                          "with the rotation): use key_space='pre_rope'.")
+    if value_layout == GIVEN_KEYS_LAYOUT and key_space != "pre_rope":
+        raise ValueError("value_layout='given_keys' predicts values from the decoded keys before RoPE (rotated keys "
+                         "would make the prediction depend on the position): use key_space='pre_rope'.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
@@ -91,7 +95,7 @@ def fit_gsrq_codebooks(
         raise ValueError(f"group_dim={group_dim} must divide the model's head_dim={head_dim} (e.g. 8).")
 
     def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
-        return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, kv_heads if layout == "joint_heads" else 1))
+        return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, heads_per_code(layout, kv_heads)))
 
     def fitter(layout):
         return {"joint_heads": fit_joint_head_residual_vq,
@@ -106,7 +110,7 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT} & {key_layout, value_layout}:
+    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
                          "key_layout='per_head', value_layout='per_head' (CLI: --key-layout per_head --value-layout "
                          "per_head).")
@@ -135,13 +139,21 @@ def fit_gsrq_codebooks(
             value_weights = value_metric(projections[layer]["o_proj"].weight, kv_heads, head_dim)
         key_codec = fitter(key_layout)(train_keys[layer], max_stages=stages_for(key_layout), metric=key_weights,
                                        seed=seed + 2 * layer, **fit_settings)
-        value_codec = fitter(value_layout)(samples.values[layer], max_stages=stages_for(value_layout),
-                                           metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+        decoded_test_keys = key_codec.reconstruct(test_keys[layer])
+        if value_layout == GIVEN_KEYS_LAYOUT:  # predicted from the keys as the cache will decode them
+            value_codec = fit_key_predicted_value_vq(
+                samples.values[layer], decoded_keys=key_codec.reconstruct(train_keys[layer]),
+                max_stages=stages_for(value_layout), metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+            decoded_test_values = value_codec.reconstruct(holdout.values[layer], decoded_test_keys)
+        else:
+            value_codec = fitter(value_layout)(samples.values[layer], max_stages=stages_for(value_layout),
+                                               metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+            decoded_test_values = value_codec.reconstruct(holdout.values[layer])
         key_codecs.append(key_codec)
         value_codecs.append(value_codec)
         per_layer.append({
-            "keys_relative_mse": relative_mse(test_keys[layer], key_codec.reconstruct(test_keys[layer])),
-            "values_relative_mse": relative_mse(holdout.values[layer], value_codec.reconstruct(holdout.values[layer])),
+            "keys_relative_mse": relative_mse(test_keys[layer], decoded_test_keys),
+            "values_relative_mse": relative_mse(holdout.values[layer], decoded_test_values),
             "keys_gaussian_rd_reference": gaussian_rate_distortion_reference(test_keys[layer], key_codec.code_bits_per_vector()),
             "values_gaussian_rd_reference": gaussian_rate_distortion_reference(holdout.values[layer], value_codec.code_bits_per_vector()),
             # the same reference for one code over all heads (the joint layout's; lower where heads correlate)

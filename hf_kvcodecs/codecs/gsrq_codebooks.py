@@ -14,18 +14,20 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
+from .given_keys import GIVEN_KEYS_LAYOUT, KeyPredictedValueVQ
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
 from .residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
 # "value_layout", each "per_head" or "joint_heads" (tensors "*.shape.*" plus the per-head "*.log_scale_range");
-# 4: "key_layout" may also be "conditional_heads" (tensors "*.predictors" and one codec per head, "*.head.{h}.*")
+# 4: "key_layout" may also be "conditional_heads" (tensors "*.predictors" and one codec per head, "*.head.{h}.*"),
+# "value_layout" also "given_keys" (tensors "*.predictor" and a joint code of the residual, "*.residual.*")
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 files have fp16 scales; 1 and 2 are per-head
 # The JSON description is a few hundred KB for a 30-layer model; a file far larger is not one (and is not parsed).
 MAX_METADATA_BYTES = 64 * 2**20
-LAYOUTS = {"keys": CODEC_LAYOUTS + (CONDITIONAL_LAYOUT,), "values": CODEC_LAYOUTS}
+LAYOUTS = {"keys": CODEC_LAYOUTS + (CONDITIONAL_LAYOUT,), "values": CODEC_LAYOUTS + (GIVEN_KEYS_LAYOUT,)}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -86,7 +88,7 @@ class GSRQCodebooks:
         codebook_bits = int(self.config["codebook_bits"])
         codecs = self.key_codecs if kind == "keys" else self.value_codecs
         # a code covers one head vector, or all of a token's heads (each with its own scale)
-        heads = codecs[0].num_heads if self.layout(kind) == "joint_heads" else 1
+        heads = heads_per_code(self.layout(kind), codecs[0].num_heads)
         lowest = lowest_bit_rate(self.head_dim, codebook_bits, self.scale_bits, heads)
         if bits < lowest - 1e-9:
             raise ValueError(f"bits={bits} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} bits/element).")
@@ -223,6 +225,8 @@ class GSRQCodebooks:
                 return JointHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
             if layout_of(config, kind) == CONDITIONAL_LAYOUT:
                 return ConditionalHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
+            if layout_of(config, kind) == GIVEN_KEYS_LAYOUT:
+                return KeyPredictedValueVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
             return TransformResidualVQ.from_state_dict(tensors, prefix, group_dim, codec_stats)
 
         key_codecs, value_codecs = [], []
@@ -238,9 +242,10 @@ class GSRQCodebooks:
             _validate_codec(codec, config, tensors_path)
         if config.get("key_space") not in KEY_SPACES:
             raise CodebookFileError(f"{metadata_path}: key_space must be one of {KEY_SPACES}, got {config.get('key_space')!r}.")
-        if layout_of(config, "keys") == CONDITIONAL_LAYOUT and config["key_space"] != "pre_rope":
-            raise CodebookFileError(f"{metadata_path}: conditional_heads keys must be coded before RoPE (key_space "
-                                    f"'pre_rope'), got {config['key_space']!r}; re-run calibrate.")
+        for kind, layout in (("keys", CONDITIONAL_LAYOUT), ("values", GIVEN_KEYS_LAYOUT)):
+            if layout_of(config, kind) == layout and config["key_space"] != "pre_rope":
+                raise CodebookFileError(f"{metadata_path}: {layout} {kind} need keys coded before RoPE (key_space "
+                                        f"'pre_rope'), got {config['key_space']!r}; re-run calibrate.")
         inv_freq = tensors.get("rope.inv_freq")
         if config["key_space"] == "pre_rope" and inv_freq is None:
             raise CodebookFileError(f"{tensors_path} stores pre-RoPE key codebooks but lacks rope.inv_freq; re-run calibrate.")
@@ -341,7 +346,17 @@ def _at(items, index):
     return items[index] if isinstance(items, list) and index < len(items) else {}
 
 
+def heads_per_code(layout: str, kv_heads: int) -> int:
+    """How many head vectors one code of ``layout`` covers (its index bits are the budget of all of them)."""
+    return kv_heads if layout in ("joint_heads", GIVEN_KEYS_LAYOUT) else 1
+
+
 def _validate_codec(codec, config: dict, path) -> None:
+    if isinstance(codec, KeyPredictedValueVQ):
+        if not bool(torch.isfinite(codec.predictor).all()):
+            raise CodebookFileError(f"{path} holds inconsistent codebooks (non-finite value predictor); re-run calibrate.")
+        _validate_codec(codec.residual_codec, config, path)
+        return
     if isinstance(codec, ConditionalHeadResidualVQ):
         if not bool(torch.isfinite(codec.predictors).all()):
             raise CodebookFileError(f"{path} holds inconsistent codebooks (non-finite predictors); re-run calibrate.")
