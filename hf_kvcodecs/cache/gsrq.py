@@ -155,7 +155,7 @@ class GSRQLayer(CacheLayerMixin):
 
     def dequantized_keys_and_values(self):
         """Every held token, decoded, in order (the dequantize path's keys and values)."""
-        return self._full_keys(), self._full_values()
+        return self._full_keys_and_values()
 
     def _clear(self):
         self.sink_keys = self.sink_values = None
@@ -209,7 +209,7 @@ class GSRQLayer(CacheLayerMixin):
         # by layer 17 on the default model).
         if self.attention_path == "codes":
             return self._code_placeholders(key_states)  # the attention function calls finish_attention
-        keys, values = self._full_keys(), self._full_values()
+        keys, values = self._full_keys_and_values()
         self._flush_overflow()
         return keys, values
 
@@ -280,7 +280,8 @@ class GSRQLayer(CacheLayerMixin):
     @staticmethod
     def _heads_first(states: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [H, B*T, D]
         batch, heads, tokens, dim = states.shape
-        return states.float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
+        # (detached: codes are integers, no gradient reaches them through the encoder)
+        return states.detach().float().permute(1, 0, 2, 3).reshape(heads, batch * tokens, dim)
 
     def _encode(self, codec: TransformResidualVQ, states: torch.Tensor, decoded_keys: torch.Tensor | None = None):
         batch, heads, tokens, dim = states.shape
@@ -307,16 +308,31 @@ class GSRQLayer(CacheLayerMixin):
             decoded = codec.decode(flat_codes, flat_scales, cls._heads_first(decoded_keys))
         return decoded.reshape(heads, batch, tokens, codec.head_dim).permute(1, 0, 2, 3)
 
-    def dequantized_keys(self) -> torch.Tensor:
-        keys = self._decode(self.key_codec, self.key_codes, self.key_scales)
+    def _coded_keys(self) -> torch.Tensor:
+        """The coded tokens' keys decoded in the space they were coded in (before RoPE when the codebooks say so)."""
+        return self._decode(self.key_codec, self.key_codes, self.key_scales)
+
+    def _with_rope(self, keys: torch.Tensor) -> torch.Tensor:
         if self.key_space == "pre_rope" and keys.shape[-2]:
             start = self.sink_keys.shape[-2]
             keys = apply_rope(keys, *self._cos_sin(start, start + keys.shape[-2]))
         return keys.to(self.dtype)
 
-    def dequantized_values(self) -> torch.Tensor:
-        decoded_keys = self._decode(self.key_codec, self.key_codes, self.key_scales) if self._values_need_keys else None
-        return self._decode(self.value_codec, self.value_codes, self.value_scales, decoded_keys).to(self.dtype)
+    def dequantized_keys(self) -> torch.Tensor:
+        return self._with_rope(self._coded_keys())
+
+    def dequantized_values(self, coded_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """``coded_keys``: :meth:`_coded_keys` when already decoded (values coded given the keys need them)."""
+        if self._values_need_keys and coded_keys is None:
+            coded_keys = self._coded_keys()
+        return self._decode(self.value_codec, self.value_codes, self.value_scales,
+                            coded_keys if self._values_need_keys else None).to(self.dtype)
+
+    def _full_keys_and_values(self):
+        coded_keys = self._coded_keys()
+        keys = torch.cat([self.sink_keys, self._with_rope(coded_keys), self.window_keys], dim=-2)
+        values = torch.cat([self.sink_values, self.dequantized_values(coded_keys), self.window_values], dim=-2)
+        return keys, values
 
     def _full_keys(self):
         return torch.cat([self.sink_keys, self.dequantized_keys(), self.window_keys], dim=-2)
@@ -392,7 +408,10 @@ def load_codebooks(source) -> GSRQCodebooks:
         stamp = max((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()) if path.is_dir() else 0.0
         key = (str(path), stamp)
         if key not in _CODEBOOK_MEMO:
-            _CODEBOOK_MEMO[key] = GSRQCodebooks.load(path)
+            # loaded as normal tensors even inside torch.inference_mode(): the memo outlives the block, and inference
+            # tensors would break a later forward pass that records gradients
+            with torch.inference_mode(False):
+                _CODEBOOK_MEMO[key] = GSRQCodebooks.load(path)
         return _CODEBOOK_MEMO[key]
     raise TypeError(f"codebooks must be a GSRQCodebooks object or a directory path, got {type(source).__name__}.")
 
