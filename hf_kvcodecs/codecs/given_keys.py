@@ -9,7 +9,7 @@ value codec, at the same rate.
 
 Held-out relative MSE of the values at 2 bits per element on the default model (layers 0 / 8 / 15 / 22 / 29,
 keys per head at 2 bits, codecs fitted on the same samples; ``benchmarks/explore_value_prediction.py``): joint values
-0.018 / 0.076 / 0.085 / 0.094 / 0.122, given the keys 0.009 / 0.043 / 0.044 / 0.053 / 0.088. Predicting each value
+0.018 / 0.076 / 0.085 / 0.094 / 0.122, given the keys 0.0095 / 0.043 / 0.043 / 0.054 / 0.089. Predicting each value
 head from its own key head only recovered about half of that gain, so the prediction reads every key head.
 
 ``v^ = k^ @ P + b + r^``: ``k^`` the token's decoded pre-RoPE keys (``[H*D]``), ``P`` ``[H*D, H*D]``, ``b`` ``[H*D]``,
