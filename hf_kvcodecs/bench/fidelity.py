@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..integrations.attention import CODE_LAYER_ATTRIBUTE, original_attention
+from ..integrations.attention import CODE_LAYER_ATTRIBUTE, FORWARDING_IMPLEMENTATIONS, is_code_attention, original_attention
 
 CAPTURE_IMPLEMENTATION = "hf_kvcodecs_capture"
 
@@ -41,11 +41,15 @@ def recorded_attention_inputs(model):
 
     AttentionInterface.register(CAPTURE_IMPLEMENTATION, recording_attention)
     AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[original])
+    forwards_codes = is_code_attention(original)
+    if forwards_codes:  # GSRQ caches reading codes keep doing so through the recorder
+        FORWARDING_IMPLEMENTATIONS.add(CAPTURE_IMPLEMENTATION)
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:
         yield records
     finally:
         model.set_attn_implementation(original)
+        FORWARDING_IMPLEMENTATIONS.discard(CAPTURE_IMPLEMENTATION)
 
 
 def relative_errors(records: dict, reference: dict) -> dict[str, float]:

@@ -30,7 +30,13 @@ def code_attention_name(implementation: str | None) -> str | None:
     return None
 
 
+# Other registered names whose function hands GSRQ layers on to a code-reading one (e.g. bench.fidelity's recorder).
+FORWARDING_IMPLEMENTATIONS: set[str] = set()
+
+
 def is_code_attention(implementation: str | None) -> bool:
+    if implementation in FORWARDING_IMPLEMENTATIONS:
+        return True
     return implementation is not None and implementation.startswith(CODE_ATTENTION_PREFIX) and (
         implementation.removeprefix(CODE_ATTENTION_PREFIX) in WRAPPED_IMPLEMENTATIONS
     )
