@@ -77,7 +77,8 @@ def cmd_bench_kv(args) -> int:
                                quick=args.quick, seeds=args.seeds, store=args.codebook_store, learners=args.learners,
                                key_layout=args.key_layout, value_layout=args.value_layout,
                                layout_variants=args.layout_variants, baselines=args.baselines,
-                               rates=args.bits or GSRQ_RATES)
+                               rates=args.bits or GSRQ_RATES, windows=args.windows,
+                               passkey_trials=args.passkey_trials, speed=args.speed)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -349,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "use the default layout)")
     kv.add_argument("--baselines", nargs="*", default=None, choices=list(BASELINE_IDS),
                     help="transformers caches to measure (default: all; the full-precision reference always runs)")
+    kv.add_argument("--windows", type=_positive_int, default=None,
+                    help="perplexity/KL windows of evaluation text (default: 4; more narrows the standard errors, "
+                         "up to what the text holds)")
+    kv.add_argument("--passkey-trials", type=_positive_int, default=None,
+                    help="pass-key haystacks per (length, depth) cell (default: 2, i.e. 18 haystacks)")
+    kv.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed phase")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

@@ -299,7 +299,8 @@ def test_answer_has_key_needs_the_exact_first_number():
 def test_write_reports(results, tmp_path):
     paths = write_reports(results, tmp_path)
     assert json.loads(paths["json"].read_text()) == json.loads(json.dumps(results))
-    table = [line for line in paths["markdown"].read_text().splitlines() if line.startswith("|")]
+    main_part = paths["markdown"].read_text().split("\n## ")[0]
+    table = [line for line in main_part.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(results["methods"])
     assert any("failed: " in row and "broken" in row for row in table)
     reference_row = next(row for row in table if row.startswith("| fp32 DynamicCache"))
@@ -319,3 +320,31 @@ def test_seed_spread_summarises_methods_measured_with_several_calibration_seeds(
     rows = [line for line in lines if line.startswith("| gsrq")]
     assert rows == ["| gsrq | gskm-principal | 2 | 0, 1 | 0.09 (0.08 – 0.1) | +10.0 (+8.0 – +12.0) | 5/18, 9/18 |"]
     assert _seed_spread([entry(0, 0.1, 1.0, 1)]) == []  # one seed: nothing to summarise
+
+
+def test_paired_comparison_against_shipped_4_bit_caches(results, tmp_path):
+    from hf_kvcodecs.bench.report import paired_comparisons
+
+    noisy, quanto = by_name(results, "noisy keys"), by_name(results, "quanto 4-bit (per-channel keys)")
+    assert len(noisy["perplexity"]["window_kl"]) == 3 and noisy["perplexity"]["window_kl"][0] > 0
+    pairs = {(item["method"], item["baseline"]): item for item in paired_comparisons(results["methods"])}
+    item = pairs[("noisy keys", quanto["name"])]
+    differences = torch.tensor(noisy["perplexity"]["window_nll"], dtype=torch.float64) - torch.tensor(
+        quanto["perplexity"]["window_nll"], dtype=torch.float64)
+    assert item["windows"] == 3
+    assert item["ppl_ratio_pct"] == pytest.approx(100 * (differences.mean().exp().item() - 1))
+    se = differences.std().item() / 3 ** 0.5
+    assert item["ppl_ratio_pct_se"] == pytest.approx(100 * differences.mean().exp().item() * se)
+    low, high = item["ppl_ratio_pct_interval"]
+    assert low < item["ppl_ratio_pct"] < high
+    assert item["windows_method_better"] == int((differences < 0).sum())
+    kl = torch.tensor(noisy["perplexity"]["window_kl"]) - torch.tensor(quanto["perplexity"]["window_kl"])
+    assert item["kl_difference"] == pytest.approx(kl.mean().item())
+    assert sum(item["passkey"].values()) == noisy["passkey"]["trials"]
+    assert item["passkey"]["both"] + item["passkey"]["only_method"] == noisy["passkey"]["correct"]
+    # only shipped 4-bit caches are baselines; shipped caches and the reference are never the compared methods
+    assert {baseline for _, baseline in pairs} <= {quanto["name"], "hqq 4-bit (axis 1)"}
+    assert not {method for method, _ in pairs} & {"fp32 DynamicCache", quanto["name"], "quanto 2-bit (per-channel keys)"}
+    assert "broken" not in {method for method, _ in pairs}  # failed: nothing measured to pair
+    section = write_reports(results, tmp_path)["markdown"].read_text().split("## Paired")[1]
+    assert f"| noisy keys | {quanto['name']} | 3 |" in section

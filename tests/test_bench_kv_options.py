@@ -69,9 +69,10 @@ def runs(monkeypatch, calibrations, tiny_model, tmp_path):
     monkeypatch.setattr(cli, "_load", lambda args: loaded)
     monkeypatch.setattr(kv, "load_corpus", lambda text, default: SimpleNamespace(description=str(text or default)))
     monkeypatch.setattr(kv, "tokenize_corpus", lambda tokenizer, corpus: torch.arange(100))
-    measured = []
+    measured, protocols = [], []
 
     def fake_evaluate(model, tokenizer, methods, **settings):
+        protocols.append(settings)
         measured.append([method.name for method in methods])
         return {"methods": []}
 
@@ -88,6 +89,7 @@ def runs(monkeypatch, calibrations, tiny_model, tmp_path):
         rows, recorded = measured[-2:]
         return rows, recorded
 
+    run.protocols = protocols
     return run
 
 
@@ -152,3 +154,19 @@ def test_the_console_script_reports_bad_input_in_one_line(runs, capsys):
     with pytest.raises(SystemExit):  # argparse: usage and exit status 2
         cli.run(["bench", "kv", "--threads", "-2"])
     assert "expected a positive integer, got '-2'" in capsys.readouterr().err
+
+
+def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines quanto-4 --learners l2 --no-layout-variants "
+                          "--windows 28 --passkey-trials 4 --no-speed")
+    protocol = runs.protocols[-1]
+    assert (protocol["n_windows"], protocol["passkey_trials"], protocol["speed_contexts"]) == (28, 4, ())
+    assert protocol["context_len"] == kv.FULL["context_len"]  # the rest of the protocol is unchanged
+    assert "--windows 28 --passkey-trials 4 --no-speed" in recorded and runs(recorded) == (rows, recorded)
+    runs("hf-kvcodecs bench kv --baselines --learners l2 --no-layout-variants")
+    default = runs.protocols[-1]
+    assert (default["n_windows"], default["passkey_trials"]) == (kv.FULL["n_windows"], kv.FULL["passkey_trials"])
+    assert default["speed_contexts"] == kv.FULL["speed_contexts"]
+    for bad in ("--windows 0", "--passkey-trials -1"):
+        with pytest.raises(SystemExit):
+            runs(f"hf-kvcodecs bench kv {bad}")

@@ -481,9 +481,12 @@ def _teacher_forced(model, method, plan, reference_logprobs, warm_cache):
     if kls:
         metrics["kl_mean"] = torch.cat(kls).mean().item()
         metrics["top1_agreement"] = torch.cat(top1_matches).mean().item()
+        # per window, for comparisons paired by window between two methods (report.paired_comparisons)
+        metrics["window_kl"] = [kl.mean().item() for kl in kls]
     else:  # the reference compared with itself
         metrics["kl_mean"] = 0.0
         metrics["top1_agreement"] = 1.0
+        metrics["window_kl"] = [0.0] * len(nlls)
     return metrics, memory, all_logprobs
 
 

@@ -111,12 +111,15 @@ def codec_layout(key_layout: str | None = None, value_layout: str | None = None)
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
-                     rates=GSRQ_RATES) -> dict:
+                     rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
+                     speed: bool = True) -> dict:
     """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
     reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
     ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
     ``layout_variants`` is true, the l2 codebooks of the first seed with the other layouts of :data:`LAYOUT_VARIANTS`.
     ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
+    ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
+    protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
     """
     rates = tuple(rates)
     if not rates or len(set(rates)) < len(rates):
@@ -127,6 +130,15 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     unknown = sorted(set(learners) - set(GSRQ_LEARNERS))
     if unknown or len(set(learners)) < len(learners):
         raise ValueError(f"learners must name each of {list(GSRQ_LEARNERS)} at most once, got {list(learners)}.")
+    protocol = dict(QUICK if quick else FULL)
+    for name, value in (("n_windows", windows), ("passkey_trials", passkey_trials)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "n_windows" else 0):
+                raise ValueError(f"{name} must be an integer of at least {1 if name == 'n_windows' else 0}, "
+                                 f"got {value!r}.")
+            protocol[name] = value
+    if not speed:
+        protocol["speed_contexts"] = ()
     layout = codec_layout(key_layout, value_layout)
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
@@ -139,11 +151,12 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     )
     results = evaluate_methods(
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,
-        model_description=loaded.description, progress=progress, **(QUICK if quick else FULL),
+        model_description=loaded.description, progress=progress, **protocol,
     )
     results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
                                     layout_variants=layout_variants, baselines=baselines, rates=rates, text=text,
-                                    calibration_text=calibration_text, threads=torch.get_num_threads())
+                                    calibration_text=calibration_text, threads=torch.get_num_threads(),
+                                    windows=windows, passkey_trials=passkey_trials, speed=speed)
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 
@@ -251,8 +264,8 @@ def memory_markdown(results: dict) -> str:
 
 
 def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
-               rates=GSRQ_RATES,
-               text=None, calibration_text=None, threads: int | None = None) -> str:
+               rates=GSRQ_RATES, text=None, calibration_text=None, threads: int | None = None,
+               windows: int | None = None, passkey_trials: int | None = None, speed: bool = True) -> str:
     """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
     ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
     def words(value):
@@ -265,6 +278,9 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--bits", *(f"{rate:g}" for rate in rates)], tuple(rates) != GSRQ_RATES),
         *(([f"--{name.replace('_', '-')}", value], True) for name, value in layout.items()),
         (["--no-layout-variants"], not layout_variants and not layout),
+        (["--windows", str(windows)], windows is not None),
+        (["--passkey-trials", str(passkey_trials)], passkey_trials is not None),
+        (["--no-speed"], not speed),
         (["--baselines", *(baselines or ())], baselines is not None),
         (["--text", *words(text or ())], text is not None),
         (["--calibration-text", *words(calibration_text or ())], calibration_text is not None),

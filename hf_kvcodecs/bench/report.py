@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
+
+from .harness import FULL_PRECISION, TRANSFORMERS_QUANTIZED
 
 MISSING = "–"
 
@@ -64,7 +67,93 @@ def markdown_report(results: dict) -> str:
     for entry in results["methods"]:
         lines.append("| " + " | ".join(_row(entry, speed_contexts, len(header))) + " |")
     lines += _seed_spread(results["methods"])
+    lines += _paired_section(results["methods"])
     return "\n".join(lines) + "\n"
+
+
+# How many standard errors a two-sided ~95 % interval spans (normal approximation of the paired mean).
+_Z95 = 1.96
+
+
+def paired_comparisons(entries: list[dict], baseline_bits: float = 4.0) -> list[dict]:
+    """Every compressed method that is not a shipped cache against every shipped ``baseline_bits`` cache, paired
+    by evaluation window (perplexity, KL) and by haystack (pass key).
+
+    Two caches scored on the same windows share most of their variance (a hard window is hard for both), so the
+    paired difference has a much smaller standard error than the two Δppl ± se figures side by side suggest.
+    ``ppl_ratio_pct`` = 100 (exp(mean over windows of NLL_method − NLL_baseline) − 1), i.e. how much higher the
+    method's perplexity is than the baseline's, with a delta-method standard error and a ~95 % interval.
+    """
+    def measured(entry):
+        return "perplexity" in entry and "window_nll" in entry["perplexity"] and "error" not in entry
+
+    baselines = [entry for entry in entries if entry.get("family") == TRANSFORMERS_QUANTIZED
+                 and entry.get("nominal_bits") == baseline_bits and measured(entry)]
+    methods = [entry for entry in entries if entry.get("family") not in (TRANSFORMERS_QUANTIZED, FULL_PRECISION)
+               and measured(entry)]
+    comparisons = []
+    for method in methods:
+        for baseline in baselines:
+            ours, theirs = method["perplexity"], baseline["perplexity"]
+            if len(ours["window_nll"]) != len(theirs["window_nll"]):
+                continue  # not the same windows: nothing to pair
+            differences = [a - b for a, b in zip(ours["window_nll"], theirs["window_nll"])]
+            count = len(differences)
+            mean = sum(differences) / count
+            se = (math.sqrt(sum((d - mean) ** 2 for d in differences) / (count - 1) / count) if count > 1 else None)
+            comparison = {
+                "method": method["name"], "baseline": baseline["name"], "windows": count,
+                "ppl_ratio_pct": 100.0 * (math.exp(mean) - 1.0),
+                "ppl_ratio_pct_se": None if se is None else 100.0 * math.exp(mean) * se,
+                "ppl_ratio_pct_interval": None if se is None else [
+                    100.0 * (math.exp(mean - _Z95 * se) - 1.0), 100.0 * (math.exp(mean + _Z95 * se) - 1.0)],
+                "windows_method_better": sum(d < 0 for d in differences),
+            }
+            if "window_kl" in ours and "window_kl" in theirs:
+                kl_differences = [a - b for a, b in zip(ours["window_kl"], theirs["window_kl"])]
+                kl_mean = sum(kl_differences) / count
+                comparison["kl_difference"] = kl_mean
+                comparison["kl_difference_se"] = (
+                    math.sqrt(sum((d - kl_mean) ** 2 for d in kl_differences) / (count - 1) / count)
+                    if count > 1 else None)
+            ours_keys = (method.get("passkey") or {}).get("answers")
+            their_keys = (baseline.get("passkey") or {}).get("answers")
+            if ours_keys and their_keys and len(ours_keys) == len(their_keys):
+                pairs = [(a["correct"], b["correct"]) for a, b in zip(ours_keys, their_keys)]
+                comparison["passkey"] = {"both": pairs.count((True, True)), "only_method": pairs.count((True, False)),
+                                         "only_baseline": pairs.count((False, True)),
+                                         "neither": pairs.count((False, False))}
+            comparisons.append(comparison)
+    return comparisons
+
+
+def _paired_section(entries: list[dict]) -> list[str]:
+    comparisons = paired_comparisons(entries)
+    if not comparisons:
+        return []
+    lines = ["", "## Paired against the shipped 4-bit caches", "",
+             "Differences measured on the same windows and haystacks. ppl vs baseline = how much higher the method's "
+             "perplexity is than the baseline's (mean over windows of the NLL difference; negative: lower), ± its "
+             f"standard error and a ~95 % interval (± {_Z95} se); windows better = windows where the method's NLL is "
+             "lower; pass key: haystacks both / only the method / only the baseline / neither answered.", "",
+             "| method | baseline | windows | ppl vs baseline % ± se | ~95 % interval | windows better | "
+             "KL difference ± se | pass key both / only method / only baseline / neither |",
+             "|---|---|---|---|---|---|---|---|"]
+    for item in comparisons:
+        interval = item["ppl_ratio_pct_interval"]
+        passkey = item.get("passkey")
+        lines.append(
+            f"| {item['method']} | {item['baseline']} | {item['windows']} | "
+            f"{_with_error(item['ppl_ratio_pct'], item['ppl_ratio_pct_se'])} | "
+            + (MISSING if interval is None else f"{interval[0]:+.2f} – {interval[1]:+.2f}") + " | "
+            f"{item['windows_method_better']}/{item['windows']} | "
+            + (MISSING if "kl_difference" not in item else
+               f"{item['kl_difference']:+.4f}" + ("" if item["kl_difference_se"] is None
+                                                   else f" ± {item['kl_difference_se']:.4f}")) + " | "
+            + (MISSING if passkey is None else
+               f"{passkey['both']} / {passkey['only_method']} / {passkey['only_baseline']} / {passkey['neither']}")
+            + " |")
+    return lines
 
 
 def _seed_spread(entries: list[dict]) -> list[str]:
