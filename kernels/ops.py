@@ -73,6 +73,7 @@ def coded_attention(
     exact_mask: Optional[Tensor] = None,
     key_scale_levels: Optional[Tensor] = None,
     value_scale_levels: Optional[Tensor] = None,
+    value_predictor: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention over the coded region: (output ``[B, Hq, Lq, D]`` fp32, log-sum-exp ``[B, Hq, Lq]`` fp32).
 
@@ -88,6 +89,11 @@ def coded_attention(
     level indices (uint8) rather than values: the compiled CPU loops look them up per token; the other
     implementations convert them first.
 
+    Values coded given the keys (``value_predictor`` ``[Hkv*D + 1, Hkv*D]`` with the residual code's value operands,
+    ``KeyPredictedValueVQ``): the prediction from the coded keys is added from attention-weighted sums of the keys
+    (``reference.predicted_value_sums``). Every device then runs the reference; on CPU the cache calls the compiled
+    loop that adds it from the key codes directly (``cpu.prerope_decode_attention(value_prediction=...)``).
+
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
     ``cpu.folded_key_table``; for conditional keys the flat ``cpu.conditional_key_table``) and
@@ -98,24 +104,33 @@ def coded_attention(
     return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
                       key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,
                       rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling, exact_keys,
-                      exact_values, exact_mask, key_scale_levels, value_scale_levels)
+                      exact_values, exact_mask, key_scale_levels, value_scale_levels, value_predictor)
 
 
 _PRECOMPUTED = slice(13, 16)  # key_table, rotary_cos, rotary_sin
-_CODED_ARGUMENTS = 21  # then exact_keys, exact_values, exact_mask, key_scale_levels, value_scale_levels
+_CODED_ARGUMENTS = 21  # then exact_keys, exact_values, exact_mask, key_scale_levels, value_scale_levels, value_predictor
+_OPTIONAL_ARGUMENTS = 6
 _KEY_SCALES, _VALUE_SCALES = 2, 4
+
+
+def _optional(args):
+    return (list(args[_CODED_ARGUMENTS:]) + [None] * _OPTIONAL_ARGUMENTS)[:_OPTIONAL_ARGUMENTS]
 
 
 def _split(args):
     """(the coded region's arguments without the precomputed inputs and with scale values, the exact tokens' (keys,
     values, mask))."""
     arguments = list(args[:_CODED_ARGUMENTS])
-    extra = (list(args[_CODED_ARGUMENTS:]) + [None] * 5)[:5]
+    extra = _optional(args)
     for position, levels in ((_KEY_SCALES, extra[3]), (_VALUE_SCALES, extra[4])):
         if levels is not None:
             arguments[position] = reference.scale_values_from_levels(levels, arguments[position])
     del arguments[_PRECOMPUTED]
     return arguments, extra[:3]
+
+
+def _value_predictor(args):
+    return _optional(args)[5]
 
 
 def _joined(coded_attention_implementation, args):
@@ -125,12 +140,13 @@ def _joined(coded_attention_implementation, args):
 
 
 def _reference(*args):
-    return _joined(reference.coded_attention_reference, args)
+    predictor = _value_predictor(args)
+    return _joined(lambda *coded: reference.coded_attention_reference(*coded, value_predictor=predictor), args)
 
 
 @coded_attention.register_kernel("cpu")
 def _coded_attention_cpu(*args):
-    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
+    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference" or _value_predictor(args) is not None:
         return _reference(*args)
     from .cpu import coded_attention_cpu
 
@@ -144,7 +160,9 @@ def _power_of_two(value: int) -> bool:
 @coded_attention.register_kernel("cuda")
 def _coded_attention_cuda(*args):
     head_dim = args[0].shape[-1]
-    if not triton_available() or head_dim < 32 or not _power_of_two(head_dim):  # shapes the kernel does not tile
+    # shapes the kernel does not tile, and values coded given the keys, which it does not read
+    if (not triton_available() or head_dim < 32 or not _power_of_two(head_dim)
+            or _value_predictor(args) is not None):
         return _reference(*args)
     from .triton_attention import coded_attention_triton
 

@@ -185,6 +185,7 @@ def coded_attention_reference(
     mask: torch.Tensor | None,
     scaling: float,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    value_predictor: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` ``[B, Hq, Lq, D]`` over the coded tokens only, reading codes.
 
@@ -198,6 +199,12 @@ def coded_attention_reference(
     (times the token's scale) are accumulated per codeword into a histogram, which is multiplied by the codebooks once.
     With more than ``LOOKUP_MAX_ROWS`` query rows per KV head (prefill) both sides reconstruct chunks instead.
     Keys coded conditionally across heads (:func:`is_conditional` operands) are reconstructed chunk by chunk as well.
+
+    Values coded given the keys (``value_predictor`` ``[Hkv*D + 1, Hkv*D]``, ``KeyPredictedValueVQ.predictor``; the
+    value operands are then its residual code's): a coded token's values are its residual plus
+    ``[keys of every head, 1] @ value_predictor``, the keys as coded (before the rotation this function applies).
+    That term is linear in the keys, so the attention-weighted sum of every head's keys is formed chunk by chunk and
+    multiplied by the predictor once: :func:`predicted_value_sums`.
     """
     check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     conditional = is_conditional(key_synthesis)
@@ -244,7 +251,38 @@ def coded_attention_reference(
             values = dequantize_reference(value_codes[:, :, start:end], value_scales[:, :, start:end], value_mean,
                                           value_synthesis, value_codebooks, value_stage_groups)
             out += probabilities[..., start:end] @ values
+    if value_predictor is not None:
+        dequantize = conditional_dequantize_reference if conditional else dequantize_reference
+        out += predicted_value_sums(
+            probabilities, lambda start, end: dequantize(key_codes[:, :, start:end], key_scales[:, :, start:end].float(),
+                                                         key_mean, key_synthesis, key_codebooks, key_stage_groups),
+            value_predictor, chunk_tokens)
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def predicted_value_sums(probabilities, decode_keys, predictor, chunk_tokens=DEFAULT_CHUNK_TOKENS):
+    """``sum_n p[b, h, m, n] * ([keys of every head of token n, 1] @ predictor)[h]`` -> ``[B, Hkv, M, D]``: the
+    predicted part of values coded given the keys, for probabilities ``[B, Hkv, M, N]`` and ``decode_keys(start,
+    end)`` -> the coded keys ``[B, Hkv, end - start, D]``. Linear in the keys: only their weighted sums
+    ``[B, Hkv, M, Hkv*D]`` are formed, never a value."""
+    batch, kv_heads, rows, tokens = probabilities.shape
+    flat_dim = predictor.shape[0] - 1
+    dim = flat_dim // kv_heads
+    if predictor.shape != (flat_dim + 1, flat_dim) or dim * kv_heads != flat_dim:
+        raise ValueError(f"value_predictor must be [Hkv*D + 1, Hkv*D] = [{kv_heads}*D + 1, {kv_heads}*D] for "
+                         f"{kv_heads} KV heads, got shape {tuple(predictor.shape)}.")
+    key_sums = torch.zeros(batch, kv_heads, rows, flat_dim, device=probabilities.device)
+    for start in range(0, tokens, chunk_tokens):
+        end = min(start + chunk_tokens, tokens)
+        keys = decode_keys(start, end).float()  # [B, Hkv, n, D]: every head's keys of these tokens
+        flat = keys.permute(0, 2, 1, 3).reshape(batch, 1, end - start, flat_dim)
+        key_sums += probabilities[..., start:end] @ flat
+    predictor = predictor.float()
+    # value head h reads its own D columns of the prediction
+    blocks = predictor[:-1].reshape(flat_dim, kv_heads, dim).permute(1, 0, 2)  # [Hkv, Hkv*D, D]
+    bias = predictor[-1].reshape(kv_heads, dim)
+    return (torch.einsum("bhmf,hfd->bhmd", key_sums, blocks)
+            + probabilities.sum(-1)[..., None] * bias[None, :, None, :])
 
 
 def _key_lookup_tables(q, mean, synthesis, codebooks, stage_groups):

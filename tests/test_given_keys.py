@@ -93,11 +93,15 @@ def model_and_codebooks(request, tiny_model, tiny_token_stream, tiny_given_keys_
                                          value_layout="given_keys")
 
 
-def test_code_reading_attention_adds_the_prediction_from_the_key_codes(model_and_codebooks):
-    """The compiled CPU attention reads the residual codes and the key codes (for the prediction) and matches the
+@pytest.mark.parametrize("kernels", ["compiled", "reference"])
+def test_code_reading_attention_adds_the_prediction_from_the_key_codes(model_and_codebooks, kernels, monkeypatch):
+    """The compiled CPU attention, and the op's readable reference (what CUDA, torch.compile and machines without
+    a compiler run for this layout), read the residual codes and the key codes (for the prediction) and match the
     dequantize path, which decodes the values and attends with SDPA."""
     import copy
 
+    if kernels == "reference":
+        monkeypatch.setenv("HF_KVCODECS_KERNELS", "reference")
     model, key_layout_codebooks = copy.deepcopy(model_and_codebooks[0]), model_and_codebooks[1]
     enable_code_attention(model)
     ids = _prompt(batch=2, length=80)

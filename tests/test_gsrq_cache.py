@@ -228,13 +228,14 @@ def test_crop_rolls_back_every_region_exactly(tiny_model, tiny_codebooks_dir):
     with torch.inference_mode():
         cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, **CODED)
         tiny_model(ids[:, :30], cache=cache)
-        keys_before, values_before = cache.layers[1]._full_keys(), cache.layers[1]._full_values()
+        keys_before, values_before = cache.layers[1]._full_keys_and_values()
         codes_before = cache.layers[1].key_codes.clone()
         tiny_model(ids[:, 30:33], cache=cache)  # stays inside the window: a rollback restores the exact state
         cache.crop(-3)
         assert cache.get_seq_length() == 30 and cache.ledger.positions.shape[1] == 30
-        torch.testing.assert_close(cache.layers[1]._full_keys(), keys_before)
-        torch.testing.assert_close(cache.layers[1]._full_values(), values_before)
+        keys_after, values_after = cache.layers[1]._full_keys_and_values()
+        torch.testing.assert_close(keys_after, keys_before)
+        torch.testing.assert_close(values_after, values_before)
         tiny_model(ids[:, 30:], cache=cache)  # forces a flush; rolling back keeps earlier codes untouched
         cache.crop(-10)
         assert cache.get_seq_length() == 30 and sum(cache.layers[1].region_lengths().values()) == 30

@@ -96,6 +96,11 @@ def dequantize_then_attend(problem, dtype):
     keys = dequantize_keys(problem["key_codes"], problem["key_scales"], *problem["key_codec"], torch.float64)
     values = reference.dequantize_reference(problem["value_codes"], problem["value_scales"], *problem["value_codec"],
                                             torch.float64)
+    if "value_predictor" in problem:  # values coded given the keys: residual + prediction from the keys as coded
+        batch, kv_heads, tokens, dim = keys.shape
+        flat = torch.cat([keys.permute(0, 2, 1, 3).reshape(batch, tokens, -1), keys.new_ones(batch, tokens, 1)], -1)
+        predicted = flat @ problem["value_predictor"].double()
+        values = values + predicted.reshape(batch, tokens, kv_heads, dim).permute(0, 2, 1, 3)
     if problem["positions"] is not None:
         freqs = problem["positions"].double()[..., None] * problem["inv_freq"].double()[None, None]
         angles = torch.cat([freqs, freqs], dim=-1)
@@ -282,6 +287,42 @@ def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table
         ("cpu-native-higher-rate-table", lambda: coded_attention_cpu(*with_table)),
         ("op-higher-rate-table", lambda: coded_attention(*with_table)),
     ])
+
+
+@pytest.mark.parametrize("keys", ["per-head", "joint", "conditional"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
+    """Values coded given the keys (``value_predictor``): the op adds the prediction from attention-weighted sums of
+    the coded keys (the reference on every device), against float64 decode-predict-then-attend."""
+    shape = dict(kv_heads=3, group_count=3, tokens=75, dim=64)
+    problem = make_problem(rope=True, joint=True if keys == "joint" else "values", conditional=keys == "conditional",
+                           **shape)
+    add_exact_tokens(problem)
+    width = 3 * 64
+    generator = torch.Generator().manual_seed(5)
+    problem["value_predictor"] = torch.randn(width + 1, width, generator=generator) / width**0.5
+    problem["query"] = problem["query"].to(dtype)
+    truth, truth_lse = dequantize_then_attend(problem, torch.float64)
+    plain, _ = dequantize_then_attend(problem, dtype)
+    pytorch_error = (plain - truth).abs().max().item()
+    args = op_arguments(problem) + list(problem["exact"]) + [None, None, problem["value_predictor"]]
+    for name, implementation in [("reference", lambda: ops._reference(*args)), ("op", lambda: coded_attention(*args)),
+                                 ("op-on-meta", None)]:
+        if implementation is None:
+            meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
+            out, lse = coded_attention(*meta)
+            assert out.shape == truth.shape and lse.shape == truth_lse.shape
+            continue
+        out, lse = implementation()
+        error = (out.double() - truth).abs().max().item()
+        assert error <= 2 * pytorch_error + 1e-5, (name, error, pytorch_error)
+        assert torch.allclose(lse.double(), truth_lse, atol=1e-4), name
+    # without the prediction the same operands give a clearly different output: the term is really added
+    without, _ = coded_attention(*args[:-1])
+    assert (without.double() - truth).abs().max() > 100 * (2 * pytorch_error + 1e-5)
+    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match=r"value_predictor must be \[Hkv\*D \+ 1, Hkv\*D\]"):
+        ops._reference(*(args[:-1] + [problem["value_predictor"][:-1]]))
 
 
 def test_conditional_keys_need_positions():

@@ -42,24 +42,23 @@ def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int,
 
 
 def uses_codes(layer, query: torch.Tensor) -> bool:
-    """Whether this call reads codes: decode-sized query blocks with a non-empty coded region (and, for values coded
-    given the keys, where the compiled CPU loop can add their prediction)."""
+    """Whether this call reads codes: decode-sized query blocks with a non-empty coded region."""
     group_count = query.shape[1] // layer.key_codec.num_heads
-    if getattr(layer.value_codec, "needs_keys", False) and _native_loop(layer, query) is None:
-        return False
     return layer.is_initialized and layer.key_codes.shape[-2] > 0 and group_count * query.shape[2] <= LOOKUP_MAX_ROWS
+
+
+def _table_loop_fits(key_codec, head_dim: int) -> bool:
+    """Whether the compiled CPU loops can rebuild these keys from a table: conditional keys only in the shapes the
+    loop was compiled for (others are rebuilt chunk by chunk by the op's reference)."""
+    return not isinstance(key_codec, ConditionalHeadResidualVQ) or conditional_native_supports(head_dim,
+                                                                                              key_codec.num_heads)
 
 
 def _native_loop(layer, query: torch.Tensor):
     """The compiled CPU library when this layer's attention can be one ``decode_attention`` call, else None."""
-    key_codec = layer.key_codec
     if layer.key_space != "pre_rope" or query.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    # conditional keys of other shapes than the compiled loop's are rebuilt chunk by chunk by the op's reference
-    if isinstance(key_codec, ConditionalHeadResidualVQ) and not conditional_native_supports(query.shape[-1],
-                                                                                            key_codec.num_heads):
-        return None
-    return native_ops()
+    return native_ops() if _table_loop_fits(layer.key_codec, query.shape[-1]) else None
 
 
 def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -84,7 +83,6 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
-    loop_fits = not conditional or conditional_native_supports(dim, key_codec.num_heads)
     native = _native_loop(layer, query)
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
@@ -106,15 +104,19 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
         return out.to(query.dtype)
     # CPU kernels rebuild pre-RoPE keys from the table (under torch.compile too); for conditional keys only the
     # compiled loop does, elsewhere the op's reference reads the operands
-    wants_table = pre_rope and on_cpu and loop_fits and (not conditional or native_ops() is not None)
+    wants_table = (pre_rope and on_cpu and _table_loop_fits(key_codec, dim)
+                   and (not conditional or native_ops() is not None))
     key_table = _cpu_key_table(key_codec)[0] if wants_table else None
+    values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
     out, _ = coded_attention(
         query, layer.key_codes, key_scales, layer.value_codes, value_scales,
-        *key_codec.attention_operands(), *value_codec.attention_operands(), key_table, *rotary,
+        *key_codec.attention_operands(),
+        *(value_codec.residual_attention_operands() if values_given_keys else value_codec.attention_operands()),
+        key_table, *rotary,
         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
         layer.rope_inv_freq.to(query.device) if pre_rope else None,
         float(layer.rope_attention_scaling), coded_mask, float(scaling), exact_keys, exact_values, exact_mask,
-        key_levels, value_levels,
+        key_levels, value_levels, value_codec.predictor if values_given_keys else None,
     )
     return out.to(query.dtype)
 

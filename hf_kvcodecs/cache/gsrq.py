@@ -334,12 +334,6 @@ class GSRQLayer(CacheLayerMixin):
         values = torch.cat([self.sink_values, self.dequantized_values(coded_keys), self.window_values], dim=-2)
         return keys, values
 
-    def _full_keys(self):
-        return torch.cat([self.sink_keys, self.dequantized_keys(), self.window_keys], dim=-2)
-
-    def _full_values(self):
-        return torch.cat([self.sink_values, self.dequantized_values(), self.window_values], dim=-2)
-
     # ---- batch / rollback operations --------------------------------------------------------------------------
     _TOKEN_TENSORS = ("sink_keys", "sink_values", "key_codes", "value_codes", "window_keys", "window_values")
     _SCALE_TENSORS = ("key_scales", "value_scales")

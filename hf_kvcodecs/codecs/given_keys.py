@@ -18,8 +18,10 @@ prediction from rotated keys would depend on the position).
 
 Attention over these values needs the prediction term ``sum_t p_t k^_t @ P`` too. ``k^_t`` is linear in the key
 codes, so it is one more histogram per key head over the same attention weights (:meth:`attention_prediction`): the
-compiled CPU attention computes it; elsewhere (Triton, the PyTorch reference, torch.compile) a cache with these
-codebooks attends over decoded states.
+compiled CPU attention computes it that way. The op ``hf_kvcodecs::coded_attention`` takes the predictor itself
+(``value_predictor``) and its reference adds ``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys,
+chunk by chunk: what CUDA (the Triton kernel does not read this layout), torch.compile and machines without a C++
+compiler run.
 """
 
 from __future__ import annotations
@@ -144,11 +146,11 @@ class KeyPredictedValueVQ:
         return self.decode(codes, scales, keys, dtype=x.dtype)
 
     def attention_operands(self):
-        # The generic op would read the residual code alone and miss the prediction: refuse rather than mislead.
+        # The residual code's operands alone would silently drop the prediction: callers must ask for both.
         raise NotImplementedError(
-            "hf_kvcodecs::coded_attention does not read values coded given the keys; the compiled CPU attention does "
-            "(residual_attention_operands() and attention_prediction()), elsewhere GSRQCache attends over decoded "
-            "states."
+            "Values coded given the keys are the residual code plus a prediction from the keys: pass "
+            "residual_attention_operands() and value_predictor=codec.predictor to hf_kvcodecs::coded_attention (or "
+            "attention_prediction(key_codec) to the compiled CPU loop)."
         )
 
     def residual_attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
