@@ -156,7 +156,7 @@ def test_the_console_script_reports_bad_input_in_one_line(runs, capsys):
     assert "expected a positive integer, got '-2'" in capsys.readouterr().err
 
 
-def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs):
+def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs, tiny_model, tmp_path):
     rows, recorded = runs("hf-kvcodecs bench kv --baselines quanto-4 --learners l2 --no-layout-variants "
                           "--windows 28 --passkey-trials 4 --no-speed")
     protocol = runs.protocols[-1]
@@ -170,3 +170,8 @@ def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs):
     for bad in ("--windows 0", "--passkey-trials -1"):
         with pytest.raises(SystemExit):
             runs(f"hf-kvcodecs bench kv {bad}")
+    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    with pytest.raises(ValueError, match="windows must be an integer of at least 1, got 0"):
+        kv.run_kv_benchmark(loaded, out=tmp_path, windows=0)
+    with pytest.raises(ValueError, match="passkey_trials must be an integer of at least 0, got 1.5"):
+        kv.run_kv_benchmark(loaded, out=tmp_path, passkey_trials=1.5)

@@ -131,12 +131,12 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     if unknown or len(set(learners)) < len(learners):
         raise ValueError(f"learners must name each of {list(GSRQ_LEARNERS)} at most once, got {list(learners)}.")
     protocol = dict(QUICK if quick else FULL)
-    for name, value in (("n_windows", windows), ("passkey_trials", passkey_trials)):
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "n_windows" else 0):
-                raise ValueError(f"{name} must be an integer of at least {1 if name == 'n_windows' else 0}, "
-                                 f"got {value!r}.")
-            protocol[name] = value
+    for name, value, least in (("windows", windows, 1), ("passkey_trials", passkey_trials, 0)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer of at least {least}, got {value!r}.")
+        protocol["n_windows" if name == "windows" else name] = value
     if not speed:
         protocol["speed_contexts"] = ()
     layout = codec_layout(key_layout, value_layout)
