@@ -9,7 +9,9 @@ heads, 8 KV heads, head_dim 128) is timed with CUDA events (median of repeats af
   * ``sdpa-fp16``: ``torch.nn.functional.scaled_dot_product_attention`` over an fp16 KV cache;
   * ``gsrq-triton``: ``hf_kvcodecs::coded_attention`` (Triton) over 2-bit GSRQ codes of the same length;
   * ``gsrq-triton-conditional``: the same codes read as keys coded conditionally across heads
-    (``--key-layout conditional_heads``: each head's key rebuilt from the codes of every head up to it).
+    (``--key-layout conditional_heads``: each head's key rebuilt from the codes of every head up to it);
+  * ``gsrq-triton-conditional-values-given-keys``: conditional keys and values coded given the keys
+    (``--value-layout given_keys``: each program also adds the values' prediction from every key head's codes).
 It reports the bytes each must read from HBM, the achieved bandwidth, and that bandwidth as a fraction of the device's
 peak (from a table of datasheet values when the device is known, and of the copy bandwidth measured in the same run).
 The codebooks are random (speed does not depend on their values); parity is checked against the reference first.
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
 
     key_codec, value_codec = codec(stages), codec(stages)
     conditional_key_codec = conditional_codec(stages)
+    width = kv_heads * dim  # KeyPredictedValueVQ.predictor: [every head's keys, 1] -> every head's values
+    value_predictor = (torch.randn(width + 1, width, generator=generator) / width**0.5).to(device)
     inv_freq = (1.0 / (500000 ** (torch.arange(0, dim, 2).float() / dim))).to(device)
 
     def timed(fn) -> float:
@@ -125,16 +129,18 @@ def main(argv=None) -> int:
             value_scales = (0.5 + torch.rand(batch, kv_heads, tokens, generator=generator)).half().to(device)
             positions = torch.arange(tokens, dtype=torch.int32, device=device)[None].expand(batch, -1).contiguous()
             timings = {}
-            for method, keys_codec in (("gsrq-triton", key_codec), ("gsrq-triton-conditional", conditional_key_codec)):
+            for method, keys_codec, predictor in (
+                    ("gsrq-triton", key_codec, None), ("gsrq-triton-conditional", conditional_key_codec, None),
+                    ("gsrq-triton-conditional-values-given-keys", conditional_key_codec, value_predictor)):
                 arguments = (query, key_codes, key_scales, value_codes, value_scales, *keys_codec, *value_codec,
                              positions, inv_freq, 1.0, None, dim**-0.5)
                 if tokens <= 8192 or device == "cpu":  # parity on the first (smallest) sizes: the reference is slow
-                    expected, _ = reference.coded_attention_reference(*arguments)
-                    got, _ = coded_attention_triton(*arguments)
+                    expected, _ = reference.coded_attention_reference(*arguments, value_predictor=predictor)
+                    got, _ = coded_attention_triton(*arguments, value_predictor=predictor)
                     error = float((got - expected).abs().max())
                     if error > 1e-3:
                         raise AssertionError(f"{method} differs from the reference by {error} at B={batch} N={tokens}")
-                timings[method] = timed(lambda: coded_attention_triton(*arguments))
+                timings[method] = timed(lambda: coded_attention_triton(*arguments, value_predictor=predictor))
             # what every GSRQ row must read from memory: codes, scales, positions (the conditional kernel also
             # re-reads a [D, D] pair matrix per source head and token block, mostly from L2: not counted, so its
             # bandwidth column is a lower bound on the traffic, not a comparable efficiency)
@@ -177,8 +183,9 @@ def markdown(results: dict) -> str:
     lines = [f"GPU decode attention on {results['device']} ({results['date']}, torch {results['torch']}); "
              f"shape {results['shape']}; datasheet {results['datasheet_bandwidth_gb_s']} GB/s, measured copy "
              f"{results['measured_copy_bandwidth_gb_s'] and round(results['measured_copy_bandwidth_gb_s'])} GB/s. "
-             "MB read: what each method must read (GSRQ: codes, scales, positions; the conditional-key row also "
-             "re-reads its pair matrices per token block, not counted).", "",
+             "MB read: what each method must read (GSRQ: codes, scales, positions; the conditional-key rows also "
+             "re-read their pair matrices per token block, the given-keys row its prediction matrices: not "
+             "counted).", "",
              "| method | batch | context | µs | MB read | GB/s | of datasheet peak | of measured copy | × SDPA |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:

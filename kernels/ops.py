@@ -91,7 +91,8 @@ def coded_attention(
 
     Values coded given the keys (``value_predictor`` ``[Hkv*D + 1, Hkv*D]`` with the residual code's value operands,
     ``KeyPredictedValueVQ``): the prediction from the coded keys is added from attention-weighted sums of the keys
-    (``reference.predicted_value_sums``). Every device then runs the reference; on CPU the cache calls the compiled
+    (``reference.predicted_value_sums``); the Triton kernel adds it from every source key head's codes
+    (``reference.fold_value_prediction``). On CPU the op runs the reference for it, and the cache calls the compiled
     loop that adds it from the key codes directly (``cpu.prerope_decode_attention(value_prediction=...)``).
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
@@ -160,15 +161,14 @@ def _power_of_two(value: int) -> bool:
 @coded_attention.register_kernel("cuda")
 def _coded_attention_cuda(*args):
     head_dim = args[0].shape[-1]
-    # shapes the kernel does not tile, and values coded given the keys, which it does not read
-    if (not triton_available() or head_dim < 32 or not _power_of_two(head_dim)
-            or _value_predictor(args) is not None):
+    if not triton_available() or head_dim < 32 or not _power_of_two(head_dim):  # shapes the kernel does not tile
         return _reference(*args)
     from .triton_attention import coded_attention_triton
 
     # The Triton kernel reconstructs in the transform domain (8-dim codewords, one small matmul) and computes the
     # rotation from positions in registers: on a GPU, reading precomputed tables would cost more bandwidth than codes.
-    return _joined(coded_attention_triton, args)
+    predictor = _value_predictor(args)
+    return _joined(lambda *coded: coded_attention_triton(*coded, value_predictor=predictor), args)
 
 
 @coded_attention.register_fake

@@ -260,6 +260,30 @@ def coded_attention_reference(
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 
+def fold_value_prediction(predictor, key_mean, key_synthesis, key_codebooks, key_stage_groups):
+    """The value prediction ``[keys of every head, 1] @ predictor`` in terms of the key codes: (codebooks ``[1 or
+    Hs, S, K, g]``, stage groups ``[1 or Hs, S]``, mean ``[Hs, H, D]``, synthesis ``[Hs, H, Dt, D]``, bias ``[H, D]``)
+    such that value head ``h`` of a coded token gets ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) + bias[h]``,
+    ``z_j`` read from source head ``j``'s key codes (joint keys: the shared code) and ``s_j`` its key scale. Key
+    operands as ``coded_attention`` takes them (per-head or joint: mean ``[H, D]``; conditional: pairs)."""
+    heads, dim = key_mean.shape[0], key_mean.shape[-1]
+    if predictor.shape != (heads * dim + 1, heads * dim):
+        raise ValueError(f"value_predictor must be [Hkv*D + 1, Hkv*D] = [{heads * dim + 1}, {heads * dim}] for "
+                         f"{heads} KV heads of {dim}, got shape {tuple(predictor.shape)}.")
+    predictor = predictor.float()
+    blocks = predictor[:-1].reshape(heads, dim, heads, dim).transpose(1, 2)  # blocks[i, h]: key head i -> value head h
+    if key_mean.dim() == 2:  # per-head (or joint) keys: key head j = s_j (mean[j] + z_j @ synthesis[j])
+        mean = torch.einsum("jd,jhde->jhe", key_mean.float(), blocks)
+        synthesis = torch.einsum("jkd,jhde->jhke", key_synthesis.float(), blocks)
+        codebooks, stage_groups = key_codebooks[None], key_stage_groups[None]
+    else:  # conditional keys: key head i = sum_j s_j (mean[j, i] + z_j @ synthesis[j, i])
+        mean = torch.einsum("jid,ihde->jhe", key_mean.float(), blocks)
+        synthesis = torch.einsum("jikd,ihde->jhke", key_synthesis.float(), blocks)
+        codebooks, stage_groups = key_codebooks, key_stage_groups
+    bias = predictor[-1].reshape(heads, dim)
+    return tuple(t.contiguous() for t in (codebooks, stage_groups, mean, synthesis, bias))
+
+
 def predicted_value_sums(probabilities, decode_keys, predictor, chunk_tokens=DEFAULT_CHUNK_TOKENS):
     """``sum_n p[b, h, m, n] * ([keys of every head of token n, 1] @ predictor)[h]`` -> ``[B, Hkv, M, D]``: the
     predicted part of values coded given the keys, for probabilities ``[B, Hkv, M, N]`` and ``decode_keys(start,

@@ -8,7 +8,9 @@ domain, so the per-head synthesis matrix is applied as rarely as the algebra all
 by the synthesis transpose once; only keys coded before RoPE need ``z @ synthesis`` per token (the rotation depends on
 each key's position), done as fp32 `tl.dot` on [BLOCK_N, D] tiles and rotated in registers. Reconstructed vectors never leave
 registers. Keys coded conditionally across heads (``CONDITIONAL``) are rebuilt from every source head up to the
-program's head, each with its own codes, codebooks, scale and pair synthesis, then rotated as above. Every split writes a normalized partial output and its log-sum-exp; the host merges splits (and the exact
+program's head, each with its own codes, codebooks, scale and pair synthesis, then rotated as above. Values coded
+given the keys (``PREDICTED_VALUES``) add their prediction from every source key head's codes: ``p * s_j * z_j``
+per source, times that source's folded prediction matrix for the program's head. Every split writes a normalized partial output and its log-sum-exp; the host merges splits (and the exact
 sink/window regions) with one log-sum-exp merge.
 
 Reference: ``coded_attention_reference`` in ``reference.py`` (same arguments, same outputs).
@@ -22,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_coded_operands, is_conditional, softmax_with_lse
+from .reference import check_coded_operands, fold_value_prediction, is_conditional, softmax_with_lse
 
 
 @triton.jit
@@ -77,11 +79,13 @@ def _coded_attention_kernel(
     key_mean_ptr, key_synthesis_ptr, key_codebooks_ptr, key_groups_ptr,
     value_mean_ptr, value_synthesis_ptr, value_codebooks_ptr, value_groups_ptr,
     positions_ptr, inv_freq_ptr, mask_ptr, out_ptr, lse_ptr,
+    prediction_codebooks_ptr, prediction_groups_ptr, prediction_mean_ptr, prediction_synthesis_ptr, prediction_bias_ptr,
+    PREDICTION_CODEBOOK_HEADS,
     N, M, LQ, SK, SV, HKV, KEY_CODE_HEADS, VALUE_CODE_HEADS, KEY_DT, VALUE_DT, tokens_per_split, num_splits, scaling,
     attention_scaling, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, KEY_DT_BLOCK: tl.constexpr,
     VALUE_DT_BLOCK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
-    CONDITIONAL: tl.constexpr,
+    CONDITIONAL: tl.constexpr, PREDICTED_VALUES: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -128,6 +132,7 @@ def _coded_attention_kernel(
     running_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     scaled_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of p * value scale: weight of the value mean
     accumulator = tl.zeros((BLOCK_M, VALUE_DT_BLOCK), dtype=tl.float32)  # values accumulate in the transform domain
+    predicted = tl.zeros((BLOCK_M, D), dtype=tl.float32)  # values coded given the keys: their prediction's share
 
     start = split * tokens_per_split
     stop = tl.minimum(start + tokens_per_split, N)
@@ -181,6 +186,26 @@ def _coded_attention_kernel(
         weighted = probabilities * value_scale[None, :]
         scaled_sum = scaled_sum * correction + tl.sum(weighted, axis=1)
         accumulator = accumulator * correction[:, None] + tl.dot(weighted, zv, input_precision="ieee")
+        if PREDICTED_VALUES:
+            # sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) per token, from every source key head's codes (the
+            # prediction reads all heads' keys); weighted by p before the synthesis, which is linear
+            predicted = predicted * correction[:, None]
+            for source in range(0, HKV):
+                source_offsets = (batch * KEY_CODE_HEADS + source % KEY_CODE_HEADS) * N + tokens
+                codebook_head = source % PREDICTION_CODEBOOK_HEADS
+                zk = _transform_tile(key_codes_ptr, prediction_codebooks_ptr + codebook_head * SK * K * GD,
+                                     prediction_groups_ptr + codebook_head * SK, source_offsets, token_mask, SK, K,
+                                     GD, KEY_DT_BLOCK, BLOCK_N)
+                source_scale = tl.load(key_scales_ptr + (batch * HKV + source) * N + tokens, mask=token_mask,
+                                       other=0.0).to(tl.float32)
+                source_weighted = probabilities * source_scale[None, :]
+                pair = source * HKV + head
+                pair_synthesis = tl.load(prediction_synthesis_ptr + pair * KEY_DT * D + key_transform[:, None] * D
+                                         + dims[None, :], mask=key_transform_mask[:, None], other=0.0)
+                pair_mean = tl.load(prediction_mean_ptr + pair * D + dims)
+                weighted_codes = tl.dot(source_weighted, zk, input_precision="ieee")
+                predicted += tl.sum(source_weighted, axis=1)[:, None] * pair_mean[None, :]
+                predicted += tl.dot(weighted_codes, pair_synthesis, input_precision="ieee")
         running_max = new_max
 
     # sum_n p_n s_n (mean + z_n @ synthesis) = (sum p s) mean + (sum p s z) @ synthesis: one matmul per program
@@ -188,6 +213,8 @@ def _coded_attention_kernel(
                               other=0.0)
     value_mean = tl.load(value_mean_ptr + head * D + dims)
     out = scaled_sum[:, None] * value_mean[None, :] + tl.dot(accumulator, value_synthesis, input_precision="ieee")
+    if PREDICTED_VALUES:
+        out += predicted + running_sum[:, None] * tl.load(prediction_bias_ptr + head * D + dims)[None, :]
     visible = running_sum > 0
     out = out / tl.where(visible, running_sum, 1.0)[:, None]
     lse = tl.where(visible, running_max + tl.log(tl.where(visible, running_sum, 1.0)), float("-inf"))
@@ -201,9 +228,12 @@ def coded_attention_triton(
     key_mean, key_synthesis, key_codebooks, key_stage_groups,
     value_mean, value_synthesis, value_codebooks, value_stage_groups,
     positions, inv_freq, attention_scaling, mask, scaling,
-    block_n: int = 32, tokens_per_split: int | None = None,
+    block_n: int = 32, tokens_per_split: int | None = None, value_predictor=None,
 ):
-    """Same contract as ``coded_attention_reference``; launches ``_coded_attention_kernel`` then merges the splits."""
+    """Same contract as ``coded_attention_reference``; launches ``_coded_attention_kernel`` then merges the splits.
+
+    Values coded given the keys (``value_predictor``): the prediction is folded into the key codes' terms
+    (``reference.fold_value_prediction``) and each program adds it from every source key head's codes."""
     check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     batch, query_heads, query_length, dim = query.shape
     kv_heads, tokens = key_scales.shape[1], key_codes.shape[2]
@@ -229,6 +259,17 @@ def coded_attention_triton(
     else:
         positions = inv_freq = torch.zeros(1, device=device)
     mask_tensor = mask.float().contiguous() if mask is not None else torch.zeros(1, device=device)
+    if value_predictor is not None:
+        if not rope:
+            raise ValueError("values coded given the keys are predicted from keys coded before RoPE: pass their "
+                             "positions.")
+        prediction = fold_value_prediction(value_predictor.to(device), key_mean, key_synthesis, key_codebooks,
+                                           key_stage_groups)
+        prediction = (prediction[0].float().contiguous(), prediction[1].to(torch.int32).contiguous(), *prediction[2:])
+    else:
+        prediction = (torch.zeros(1, device=device), torch.zeros(1, dtype=torch.int32, device=device),
+                      *(torch.zeros(1, device=device),) * 3)
+    prediction_codebook_heads = prediction[0].shape[0] if value_predictor is not None else 1
     out = torch.empty(batch * kv_heads * num_splits * rows, dim, device=device)
     lse = torch.empty(batch * kv_heads * num_splits * rows, device=device)
     grid = (batch * kv_heads, num_splits, triton.cdiv(rows, block_m))
@@ -238,13 +279,14 @@ def coded_attention_triton(
         key_codebooks.float().contiguous(), key_stage_groups.to(torch.int32).contiguous(),
         value_mean.float().contiguous(), value_synthesis.float().contiguous(), value_codebooks.float().contiguous(),
         value_stage_groups.to(torch.int32).contiguous(),
-        positions, inv_freq, mask_tensor, out, lse,
+        positions, inv_freq, mask_tensor, out, lse, *prediction, prediction_codebook_heads,
         tokens, rows, query_length, key_codes.shape[-1], value_codes.shape[-1], kv_heads, key_codes.shape[1],
         value_codes.shape[1], key_synthesis.shape[-2], value_synthesis.shape[1], tokens_per_split, num_splits,
         float(scaling), float(attention_scaling), K=key_codebooks.shape[-2], GD=key_codebooks.shape[-1], D=dim,
         KEY_DT_BLOCK=triton.next_power_of_2(key_synthesis.shape[-2]),
         VALUE_DT_BLOCK=triton.next_power_of_2(value_synthesis.shape[1]), HALF=dim // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None, CONDITIONAL=conditional,
+        PREDICTED_VALUES=value_predictor is not None,
     )
     out = out.reshape(batch, kv_heads, num_splits, rows, dim)
     lse = lse.reshape(batch, kv_heads, num_splits, rows)

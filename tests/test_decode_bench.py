@@ -27,7 +27,8 @@ def test_gpu_benchmark_script_runs_its_parity_check_and_writes_results(tmp_path)
     out = tmp_path / "gpu.json"
     assert script.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert {row["method"] for row in results["rows"]} == {"sdpa-fp16", "gsrq-triton", "gsrq-triton-conditional"}
+    assert {row["method"] for row in results["rows"]} == {"sdpa-fp16", "gsrq-triton", "gsrq-triton-conditional",
+                                                          "gsrq-triton-conditional-values-given-keys"}
     gsrq = next(row for row in results["rows"] if row["method"] == "gsrq-triton")
     sdpa = next(row for row in results["rows"] if row["method"] == "sdpa-fp16")
     assert gsrq["bytes"] < sdpa["bytes"] / 3  # codes + scales + positions vs fp16 keys and values

@@ -292,8 +292,9 @@ def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table
 @pytest.mark.parametrize("keys", ["per-head", "joint", "conditional"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
-    """Values coded given the keys (``value_predictor``): the op adds the prediction from attention-weighted sums of
-    the coded keys (the reference on every device), against float64 decode-predict-then-attend."""
+    """Values coded given the keys (``value_predictor``): the op's reference adds the prediction from
+    attention-weighted sums of the coded keys, the Triton kernel from every source key head's codes; both against
+    float64 decode-predict-then-attend."""
     shape = dict(kv_heads=3, group_count=3, tokens=75, dim=64)
     problem = make_problem(rope=True, joint=True if keys == "joint" else "values", conditional=keys == "conditional",
                            **shape)
@@ -306,8 +307,10 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
     plain, _ = dequantize_then_attend(problem, dtype)
     pytorch_error = (plain - truth).abs().max().item()
     args = op_arguments(problem) + list(problem["exact"]) + [None, None, problem["value_predictor"]]
+    triton_small_grid = functools.partial(coded_attention_triton, block_n=16, tokens_per_split=32,
+                                          value_predictor=problem["value_predictor"])
     for name, implementation in [("reference", lambda: ops._reference(*args)), ("op", lambda: coded_attention(*args)),
-                                 ("op-on-meta", None)]:
+                                 ("triton", lambda: ops._joined(triton_small_grid, args)), ("op-on-meta", None)]:
         if implementation is None:
             meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in args]
             out, lse = coded_attention(*meta)
@@ -323,6 +326,8 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
     torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match=r"value_predictor must be \[Hkv\*D \+ 1, Hkv\*D\]"):
         ops._reference(*(args[:-1] + [problem["value_predictor"][:-1]]))
+    with pytest.raises(ValueError, match=r"value_predictor must be \[Hkv\*D \+ 1, Hkv\*D\]"):
+        reference.fold_value_prediction(problem["value_predictor"][:-1], *problem["key_codec"])
 
 
 def test_conditional_keys_need_positions():

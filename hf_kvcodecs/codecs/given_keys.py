@@ -18,10 +18,9 @@ prediction from rotated keys would depend on the position).
 
 Attention over these values needs the prediction term ``sum_t p_t k^_t @ P`` too. ``k^_t`` is linear in the key
 codes, so it is one more histogram per key head over the same attention weights (:meth:`attention_prediction`): the
-compiled CPU attention computes it that way. The op ``hf_kvcodecs::coded_attention`` takes the predictor itself
-(``value_predictor``) and its reference adds ``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys,
-chunk by chunk: what CUDA (the Triton kernel does not read this layout), torch.compile and machines without a C++
-compiler run.
+compiled CPU attention computes it that way, and so does the Triton kernel (``kernels.reference.
+fold_value_prediction``). The op ``hf_kvcodecs::coded_attention`` takes the predictor itself (``value_predictor``);
+its reference adds ``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.reference import fold_value_prediction
 from .conditional import ridge_regression
 from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq
 from .residual import DEFAULT_BEAM_WIDTH, DEFAULT_GAIN
@@ -169,19 +169,7 @@ class KeyPredictedValueVQ:
         return self._prediction_operands[1]
 
     def _build_prediction_operands(self, key_codec):
-        heads, dim = self.num_heads, self.head_dim
-        # blocks[i, h] maps key head i to value head h
-        blocks = self.predictor[:-1].reshape(heads, dim, heads, dim).transpose(1, 2)
-        mean, synthesis, codebooks, stage_groups = key_codec.attention_operands()
-        if mean.dim() == 2:  # per-head (or joint) keys: key head j = s_j (mean[j] + z_j @ synthesis[j])
-            mean = torch.einsum("jd,jhde->jhe", mean, blocks)
-            synthesis = torch.einsum("jkd,jhde->jhke", synthesis, blocks)
-            codebooks, stage_groups = codebooks[None], stage_groups[None]
-        else:  # conditional keys: key head i = sum_j s_j (mean[j, i] + z_j @ synthesis[j, i])
-            mean = torch.einsum("jid,ihde->jhe", mean, blocks)
-            synthesis = torch.einsum("jikd,ihde->jhke", synthesis, blocks)
-        bias = self.predictor[-1].reshape(heads, dim)
-        return tuple(t.contiguous() for t in (codebooks, stage_groups, mean, synthesis, bias))
+        return fold_value_prediction(self.predictor, *key_codec.attention_operands())
 
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
