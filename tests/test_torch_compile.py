@@ -31,10 +31,12 @@ def conditional_codebooks(model64, tiny_token_stream):
     )
 
 
-@pytest.fixture(params=["per_head", "conditional_heads"])
+@pytest.fixture(params=["per_head", "conditional_heads", "values_given_keys"])
 def model_and_codebooks(request, tiny_model, tiny_codebooks_dir):
     if request.param == "per_head":  # the default layout, head size 16
         return tiny_model, GSRQCodebooks.load(tiny_codebooks_dir)
+    if request.param == "values_given_keys":  # traced, the op's reference adds the values' prediction
+        return tiny_model, GSRQCodebooks.load(request.getfixturevalue("tiny_given_keys_codebooks_dir"))
     return request.getfixturevalue("model64"), request.getfixturevalue("conditional_codebooks")
 
 
