@@ -23,6 +23,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .reference import check_coded_operands, fold_value_prediction, is_conditional, softmax_with_lse
 
@@ -223,6 +224,22 @@ def _coded_attention_kernel(
     tl.store(lse_ptr + partial, lse, mask=row_mask)
 
 
+# The cache passes the same predictor and key operands at every step and layer call; folding them is a
+# [Hs, H, Dt, D] product, so it is done once per (predictor, key operands) while they live.
+_FOLDED_PREDICTIONS = WeakTensorKeyDictionary()
+
+
+def _folded_prediction(value_predictor, key_operands):
+    cached = _FOLDED_PREDICTIONS.get(value_predictor)
+    if (cached is not None and cached[1] == value_predictor._version
+            and all(a is b for a, b in zip(cached[0], key_operands))):
+        return cached[2]
+    codebooks, groups, *rest = fold_value_prediction(value_predictor, *key_operands)
+    folded = (codebooks.float().contiguous(), groups.to(torch.int32).contiguous(), *rest)
+    _FOLDED_PREDICTIONS[value_predictor] = (key_operands, value_predictor._version, folded)
+    return folded
+
+
 def coded_attention_triton(
     query, key_codes, key_scales, value_codes, value_scales,
     key_mean, key_synthesis, key_codebooks, key_stage_groups,
@@ -263,9 +280,7 @@ def coded_attention_triton(
         if not rope:
             raise ValueError("values coded given the keys are predicted from keys coded before RoPE: pass their "
                              "positions.")
-        prediction = fold_value_prediction(value_predictor.to(device), key_mean, key_synthesis, key_codebooks,
-                                           key_stage_groups)
-        prediction = (prediction[0].float().contiguous(), prediction[1].to(torch.int32).contiguous(), *prediction[2:])
+        prediction = _folded_prediction(value_predictor, (key_mean, key_synthesis, key_codebooks, key_stage_groups))
     else:
         prediction = (torch.zeros(1, device=device), torch.zeros(1, dtype=torch.int32, device=device),
                       *(torch.zeros(1, device=device),) * 3)

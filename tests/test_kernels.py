@@ -330,6 +330,25 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
         reference.fold_value_prediction(problem["value_predictor"][:-1], *problem["key_codec"])
 
 
+def test_triton_folds_a_value_predictor_once_per_predictor_and_key_operands():
+    from hf_kvcodecs.kernels.triton_attention import _folded_prediction
+
+    problem = make_problem(kv_heads=2, dim=32, conditional=True)
+    predictor = torch.randn(65, 64, generator=torch.Generator().manual_seed(1))
+    first = _folded_prediction(predictor, problem["key_codec"])
+    assert _folded_prediction(predictor, problem["key_codec"]) is first  # the next step reuses it
+    expected = reference.fold_value_prediction(predictor, *problem["key_codec"])
+    for got, want in zip(first, expected):
+        torch.testing.assert_close(got.to(want.dtype), want)
+    other_keys = tuple(t.clone() for t in problem["key_codec"])
+    assert _folded_prediction(predictor, other_keys) is not first  # other key operands (another rate): refolded
+    refolded = _folded_prediction(predictor, problem["key_codec"])
+    predictor.mul_(2)  # changed in place: never served stale
+    changed = _folded_prediction(predictor, problem["key_codec"])
+    assert changed is not refolded
+    torch.testing.assert_close(changed[3], 2 * refolded[3])  # the folded synthesis is linear in the predictor
+
+
 def test_conditional_keys_need_positions():
     problem = make_problem(conditional=True, rope=False)
     with pytest.raises(ValueError, match="coded before RoPE"):
