@@ -260,6 +260,12 @@ def coded_attention_reference(
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
 
+def _check_value_predictor(predictor, heads: int, dim: int) -> None:
+    if tuple(predictor.shape) != (heads * dim + 1, heads * dim):
+        raise ValueError(f"value_predictor must be [Hkv*D + 1, Hkv*D] = [{heads * dim + 1}, {heads * dim}] for "
+                         f"{heads} KV heads of {dim}, got shape {tuple(predictor.shape)}.")
+
+
 def fold_value_prediction(predictor, key_mean, key_synthesis, key_codebooks, key_stage_groups):
     """The value prediction ``[keys of every head, 1] @ predictor`` in terms of the key codes: (codebooks ``[1 or
     Hs, S, K, g]``, stage groups ``[1 or Hs, S]``, mean ``[Hs, H, D]``, synthesis ``[Hs, H, Dt, D]``, bias ``[H, D]``)
@@ -267,9 +273,7 @@ def fold_value_prediction(predictor, key_mean, key_synthesis, key_codebooks, key
     ``z_j`` read from source head ``j``'s key codes (joint keys: the shared code) and ``s_j`` its key scale. Key
     operands as ``coded_attention`` takes them (per-head or joint: mean ``[H, D]``; conditional: pairs)."""
     heads, dim = key_mean.shape[0], key_mean.shape[-1]
-    if predictor.shape != (heads * dim + 1, heads * dim):
-        raise ValueError(f"value_predictor must be [Hkv*D + 1, Hkv*D] = [{heads * dim + 1}, {heads * dim}] for "
-                         f"{heads} KV heads of {dim}, got shape {tuple(predictor.shape)}.")
+    _check_value_predictor(predictor, heads, dim)
     predictor = predictor.float()
     blocks = predictor[:-1].reshape(heads, dim, heads, dim).transpose(1, 2)  # blocks[i, h]: key head i -> value head h
     if key_mean.dim() == 2:  # per-head (or joint) keys: key head j = s_j (mean[j] + z_j @ synthesis[j])
@@ -290,11 +294,9 @@ def predicted_value_sums(probabilities, decode_keys, predictor, chunk_tokens=DEF
     end)`` -> the coded keys ``[B, Hkv, end - start, D]``. Linear in the keys: only their weighted sums
     ``[B, Hkv, M, Hkv*D]`` are formed, never a value."""
     batch, kv_heads, rows, tokens = probabilities.shape
-    flat_dim = predictor.shape[0] - 1
-    dim = flat_dim // kv_heads
-    if predictor.shape != (flat_dim + 1, flat_dim) or dim * kv_heads != flat_dim:
-        raise ValueError(f"value_predictor must be [Hkv*D + 1, Hkv*D] = [{kv_heads}*D + 1, {kv_heads}*D] for "
-                         f"{kv_heads} KV heads, got shape {tuple(predictor.shape)}.")
+    dim = (predictor.shape[0] - 1) // kv_heads
+    _check_value_predictor(predictor, kv_heads, dim)
+    flat_dim = kv_heads * dim
     key_sums = torch.zeros(batch, kv_heads, rows, flat_dim, device=probabilities.device)
     for start in range(0, tokens, chunk_tokens):
         end = min(start + chunk_tokens, tokens)
