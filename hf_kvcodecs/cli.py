@@ -1,4 +1,4 @@
-"""Command line: `hf-kvcodecs demo | calibrate | compress | bench kv | bench memory | bench codec | bench weights`."""
+"""Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | bench kv | bench memory | bench codec | bench weights`."""
 
 from __future__ import annotations
 
@@ -66,6 +66,28 @@ def cmd_calibrate(args) -> int:
         "holdout_mean": codebooks.calibration["holdout_mean"],
     }
     print(json.dumps(summary, indent=2))
+    if args.push_to_hub:
+        from .codebook_hub import push_codebooks
+        from .hub import model_hub_id
+
+        commit = push_codebooks(codebooks, args.push_to_hub, base_model=model_hub_id(args.model), token=args.token,
+                                private=args.private)
+        print(f"pushed to {args.push_to_hub}: {getattr(commit, 'commit_url', commit)}")
+    return 0
+
+
+def _add_push_arguments(parser: argparse.ArgumentParser, repo_flag: str | None = None, repo_help: str = "") -> None:
+    if repo_flag:
+        parser.add_argument(repo_flag, default=None, metavar="REPO", help=repo_help)
+    parser.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
+    parser.add_argument("--private", action="store_true", default=None, help="create the Hub repo as private")
+
+
+def cmd_push_codebooks(args) -> int:
+    from .codebook_hub import push_codebooks
+
+    commit = push_codebooks(args.directory, args.repo, base_model=args.base_model, token=args.token, private=args.private)
+    print(f"pushed {args.directory} to {args.repo}: {getattr(commit, 'commit_url', commit)}")
     return 0
 
 
@@ -190,9 +212,7 @@ def _add_compress_command(commands) -> None:
     compress.add_argument("--eval-decoded-tokens", type=int, default=64, help="tokens decoded and scored per window")
     compress.add_argument("--seed", type=int, default=0)
     compress.add_argument("--out", type=Path, required=True, help="folder for the compressed model")
-    compress.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the folder to this Hub repo")
-    compress.add_argument("--token", default=None, help="Hub token (default: the one saved by `hf auth login`)")
-    compress.add_argument("--private", action="store_true", default=None, help="create the Hub repo as private")
+    _add_push_arguments(compress, "--push-to-hub", "also upload the folder to this Hub repo")
     compress.set_defaults(func=cmd_compress)
 
 
@@ -314,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(LAYOUTS["values"]),
                            help="'per_head' / 'joint_heads' as for keys (default joint_heads: lower error at about "
                                 "the same decode speed); 'given_keys': one code per token for all heads of what a "
-                                "prediction from the token's decoded keys leaves (lower error still; attention then "
-                                "decodes the history instead of reading codes)")
+                                "prediction from the token's decoded keys leaves (lower error still; on CPU each "
+                                "decoding step also sums the attention weights per key codeword for the prediction)")
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
                            help="per-vector scale: 8-bit log-uniform levels (default) or fp16")
@@ -323,7 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--calibration-text", "--text", nargs="+", default=None,
                            help="files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT (default: python-docs)")
     calibrate.add_argument("--seed", type=int, default=0)
+    _add_push_arguments(calibrate, "--push-to-hub", "also upload the codebooks (and a card) to this Hub repo")
     calibrate.set_defaults(func=cmd_calibrate)
+
+    push = commands.add_parser("push-codebooks", help="upload a codebook directory (and a card) to a Hub repo")
+    push.add_argument("directory", type=Path, help="codebooks written by `hf-kvcodecs calibrate --out DIR`")
+    push.add_argument("repo", help="Hub repo id (owner/name); created if missing")
+    push.add_argument("--base-model", default=None, metavar="REPO",
+                      help="Hub id of the model the codebooks were fitted for (linked from the card)")
+    _add_push_arguments(push)
+    push.set_defaults(func=cmd_push_codebooks)
 
     _add_compress_command(commands)
 

@@ -27,6 +27,16 @@ DEFAULT_MODEL_LICENSE = "apache-2.0"
 VERSIONED_PACKAGES = ("hf-kvcodecs", "transformers", "torch", "huggingface_hub", "safetensors", "tokenizers")
 
 
+def model_hub_id(name: str) -> str | None:
+    """The Hub id of the model a command was given: the repo the default GGUF was converted from, or ``owner/name``
+    that is not a local path; ``None`` for a local folder."""
+    from .models import DEFAULT_MODEL_NAME
+
+    if name == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_HUB_ID
+    return name if name.count("/") == 1 and not Path(name).exists() else None
+
+
 def templates_dir() -> Path:
     """The card templates: the repository's top-level ``model_cards/``, installed as ``hf_kvcodecs.model_cards``."""
     from . import model_cards

@@ -1,10 +1,15 @@
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests never reach the Hub: a name that is not found locally fails at once instead of after network timeouts.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Triton has no CPU backend: its interpreter runs the kernels on CPU tensors. The variable is read when a kernel is
 # decorated, so it must be set before hf_kvcodecs.kernels.triton_* are imported (they are only imported lazily).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path
+
+import huggingface_hub
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -84,3 +89,33 @@ def resave_codebook_tensors(directory, tensors):
     with safe_open(path, "pt") as handle:
         metadata = handle.metadata()
     save_file(tensors, path, metadata=metadata)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Records what would be sent to the Hub: create_repo, upload_folder and create_commit calls."""
+    calls = {"create_repo": [], "upload_folder": [], "create_commit": []}
+
+    def create_repo(self, repo_id, **kwargs):
+        calls["create_repo"].append((repo_id, kwargs))
+        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def upload_folder(self, *, folder_path, **kwargs):
+        files = {p.relative_to(folder_path).as_posix(): p.read_bytes() for p in Path(folder_path).rglob("*") if p.is_file()}
+        calls["upload_folder"].append((kwargs, files))
+        return "commit"
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}
+        calls["create_commit"].append((repo_id, files))
+        return "commit"
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    # transformers' push_to_hub first loads the repo's existing card from the Hub
+    import transformers.utils.hub as transformers_hub
+
+    monkeypatch.setattr(transformers_hub, "create_and_tag_model_card",
+                        lambda repo_id, tags=None, token=None: huggingface_hub.ModelCard("---\nlibrary_name: transformers\n---\n"))
+    return calls

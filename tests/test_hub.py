@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -88,36 +87,6 @@ def saved_model(tiny_model, tiny_codebooks_dir, tmp_path_factory):
     directory = tmp_path_factory.mktemp("hub_saved")
     model.save_pretrained(directory)
     return model, directory
-
-
-@pytest.fixture
-def fake_hub(monkeypatch):
-    """Records what would be sent to the Hub: create_repo, upload_folder and create_commit calls."""
-    calls = {"create_repo": [], "upload_folder": [], "create_commit": []}
-
-    def create_repo(self, repo_id, **kwargs):
-        calls["create_repo"].append((repo_id, kwargs))
-        return huggingface_hub.RepoUrl(f"https://huggingface.co/{repo_id}")
-
-    def upload_folder(self, *, folder_path, **kwargs):
-        files = {p.relative_to(folder_path).as_posix(): p.read_bytes() for p in Path(folder_path).rglob("*") if p.is_file()}
-        calls["upload_folder"].append((kwargs, files))
-        return "commit"
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        files = {op.path_in_repo: Path(op.path_or_fileobj).read_bytes() for op in operations}
-        calls["create_commit"].append((repo_id, files))
-        return "commit"
-
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", upload_folder)
-    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
-    # transformers' push_to_hub first loads the repo's existing card from the Hub
-    import transformers.utils.hub as transformers_hub
-
-    monkeypatch.setattr(transformers_hub, "create_and_tag_model_card",
-                        lambda repo_id, tags=None, token=None: huggingface_hub.ModelCard("---\nlibrary_name: transformers\n---\n"))
-    return calls
 
 
 def test_push_compressed_model_uploads_the_whole_folder_with_a_card(saved_model, fake_hub, tmp_path):

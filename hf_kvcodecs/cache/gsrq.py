@@ -37,8 +37,8 @@ DEFAULT_NUM_SINK_TOKENS = 4
 # A left padding longer than this makes every row of the batch keep that many more exact tokens: worth a warning.
 LARGE_PADDING_TOKENS = 64
 CACHE_CONFIG_KEYS = (
-    "codebooks", "bits", "key_bits", "value_bits", "window_length", "flush_interval", "num_sink_tokens", "attention",
-    "beam_width", "gain", "config",
+    "codebooks", "codebooks_revision", "codebooks_subfolder", "bits", "key_bits", "value_bits", "window_length",
+    "flush_interval", "num_sink_tokens", "attention", "beam_width", "gain", "config",
 )
 ATTENTION_CHOICES = ("auto", "codes", "dequantize")
 
@@ -391,14 +391,19 @@ class GSRQLayer(CacheLayerMixin):
 _CODEBOOK_MEMO: dict[tuple[str, float], GSRQCodebooks] = {}
 
 
-def load_codebooks(source) -> GSRQCodebooks:
-    """A ``GSRQCodebooks`` object, or a directory path (memoized on path and modification time)."""
+def load_codebooks(source, *, revision: str | None = None, subfolder: str | None = None) -> GSRQCodebooks:
+    """A ``GSRQCodebooks`` object, a directory path or a Hub repo id (memoized on the local path and its
+    modification time; a Hub download is a local path in the Hub cache, one per commit)."""
     if isinstance(source, GSRQCodebooks):
+        if revision is not None or subfolder is not None:
+            raise ValueError("codebooks_revision / codebooks_subfolder only apply to a Hub repo id or a directory, "
+                             "not to a GSRQCodebooks object.")
         return source
     if isinstance(source, (str, Path)):
+        from ..codebook_hub import resolve_codebooks
         from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
 
-        path = Path(source).expanduser().resolve()
+        path = resolve_codebooks(source, revision=revision, subfolder=subfolder).resolve()
         stamp = max((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()) if path.is_dir() else 0.0
         key = (str(path), stamp)
         if key not in _CODEBOOK_MEMO:
@@ -407,7 +412,8 @@ def load_codebooks(source) -> GSRQCodebooks:
             with torch.inference_mode(False):
                 _CODEBOOK_MEMO[key] = GSRQCodebooks.load(path)
         return _CODEBOOK_MEMO[key]
-    raise TypeError(f"codebooks must be a GSRQCodebooks object or a directory path, got {type(source).__name__}.")
+    raise TypeError(f"codebooks must be a GSRQCodebooks object, a directory path or a Hub repo id, got "
+                    f"{type(source).__name__}.")
 
 
 class GSRQCache(Cache):
@@ -416,9 +422,12 @@ class GSRQCache(Cache):
     Args:
         config: the model config (optional; when given, the codebooks are checked against it and layers are built
             up front).
-        codebooks: a directory written by ``hf-kvcodecs calibrate`` / ``calibrate_gsrq``, or a ``GSRQCodebooks``.
-            Required: without fitted codebooks there is nothing sensible to quantize with, so this raises instead of
-            silently falling back to full precision.
+        codebooks: a directory written by ``hf-kvcodecs calibrate`` / ``calibrate_gsrq``, the id of a Hub repo
+            holding one (``hf-kvcodecs push-codebooks``), or a ``GSRQCodebooks``. Required: without fitted codebooks
+            there is nothing sensible to quantize with, so this raises instead of silently falling back to full
+            precision.
+        codebooks_revision, codebooks_subfolder: for a Hub repo id, the branch, tag or commit to read and the folder
+            inside the repo (``"kv_codebooks"`` reads the codebooks of a model saved by hf_kvcodecs).
         bits: bits per KV element including the per-vector scale (index bits + 8/head_dim, or 16/head_dim with
             fp16-scale codebooks); default 2.0.
         key_bits, value_bits: per-tensor overrides of ``bits``.
@@ -449,7 +458,8 @@ class GSRQCache(Cache):
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
                  flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS,
-                 attention: str = "auto", beam_width: int = DEFAULT_BEAM_WIDTH, gain: str = DEFAULT_GAIN, **unknown):
+                 attention: str = "auto", beam_width: int = DEFAULT_BEAM_WIDTH, gain: str = DEFAULT_GAIN,
+                 codebooks_revision: str | None = None, codebooks_subfolder: str | None = None, **unknown):
         if unknown:
             raise ValueError(
                 f"Unknown GSRQCache option(s) {sorted(unknown)}; valid cache_config keys are {list(CACHE_CONFIG_KEYS)}."
@@ -471,7 +481,7 @@ class GSRQCache(Cache):
             raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
         check_encoder_options(gain, beam_width)
         self.beam_width, self.gain = beam_width, gain
-        self.codebooks = load_codebooks(codebooks)
+        self.codebooks = load_codebooks(codebooks, revision=codebooks_revision, subfolder=codebooks_subfolder)
         if config is not None:
             self.codebooks.check_fits(config)
         self.bits = DEFAULT_BITS if bits is None else check_bit_rate("bits", bits)

@@ -177,6 +177,25 @@ class GSRQCodebooks:
         return directory
 
     @classmethod
+    def from_pretrained(cls, source: str | Path, *, revision: str | None = None, subfolder: str | None = None,
+                        token: str | bool | None = None) -> "GSRQCodebooks":
+        """Codebooks from a local directory or a Hub repo id (``owner/name``; ``revision`` pins a branch, tag or
+        commit, ``subfolder`` reads e.g. the ``kv_codebooks/`` folder of a saved hf_kvcodecs model)."""
+        from ..codebook_hub import resolve_codebooks
+
+        return cls.load(resolve_codebooks(source, revision=revision, subfolder=subfolder, token=token))
+
+    def push_to_hub(self, repo_id: str, *, base_model: str | None = None, token: str | None = None,
+                    private: bool | None = None, revision: str | None = None, create_pr: bool = False,
+                    commit_message: str | None = None):
+        """Upload these codebooks and a card describing them to the Hub repo ``repo_id`` (see
+        :func:`hf_kvcodecs.codebook_hub.push_codebooks`)."""
+        from ..codebook_hub import push_codebooks
+
+        return push_codebooks(self, repo_id, base_model=base_model, token=token, private=private, revision=revision,
+                              create_pr=create_pr, commit_message=commit_message)
+
+    @classmethod
     def load(cls, directory: str | Path) -> "GSRQCodebooks":
         directory = Path(directory)
         metadata_path, tensors_path = directory / METADATA_FILE, directory / TENSORS_FILE

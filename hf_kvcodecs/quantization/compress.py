@@ -102,12 +102,12 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
 
     from ..cache import GSRQCache
     from ..hub import (
-        DEFAULT_MODEL_HUB_ID,
         DEFAULT_MODEL_LICENSE,
         REPORT_FILE,
         REPORT_FORMAT,
         REPORT_FORMAT_VERSION,
         library_versions,
+        model_hub_id,
         push_compressed_model,
         write_model_card,
     )
@@ -211,7 +211,7 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
         "format_version": REPORT_FORMAT_VERSION,
         "model": {
             "name": loaded.name, "description": loaded.description,
-            "hub_id": DEFAULT_MODEL_HUB_ID if loaded.name == DEFAULT_MODEL_NAME else _hub_id(loaded.name),
+            "hub_id": model_hub_id(loaded.name),
             "license": DEFAULT_MODEL_LICENSE if loaded.name == DEFAULT_MODEL_NAME else None,
         },
         "quantization_config": json.loads((out / "config.json").read_text())["quantization_config"],
@@ -305,11 +305,6 @@ def _size_note(weights: dict | None, kv_cache: dict | None, baseline: str) -> st
 
 def _dtype_name(model) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(model.dtype, str(model.dtype))
-
-
-def _hub_id(name: str) -> str | None:
-    # A local folder is not a Hub id; "owner/name" that is not a local path is.
-    return name if "/" in name and not Path(name).exists() and name.count("/") == 1 else None
 
 
 def _now() -> str:

@@ -28,6 +28,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
+from ..codebook_hub import download_codebooks, looks_like_repo_id
 from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
 from ..integrations.loading import was_loaded_from_checkpoint
 from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
@@ -229,7 +230,7 @@ def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: s
 
     A checkpoint stores ``location`` relative to itself (``"kv_codebooks"``): it is looked up next to the weight
     files, then downloaded from the Hub repo the model came from. A path given by the user (quantizing while loading)
-    is relative to the working directory.
+    is relative to the working directory, or else the id of a Hub repo holding codebooks.
     """
     path = Path(location).expanduser()
     if path.is_absolute() or not pre_quantized:
@@ -244,6 +245,8 @@ def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: s
             return candidate.resolve()
     if pre_quantized and not path.is_absolute() and name_or_path and not Path(name_or_path).exists():
         return _download_codebooks(name_or_path, PurePosixPath(location), checkpoint_files)
+    if not pre_quantized and looks_like_repo_id(location):  # codebooks pushed on their own (push-codebooks)
+        return download_codebooks(location)
     where = ", ".join(str(c) for c in candidates) or str(path)
     raise CodebookFileError(
         f"The KV codebooks of this hf_kvcodecs model ({location!r}) are missing: no {METADATA_FILE} in {where}. A "

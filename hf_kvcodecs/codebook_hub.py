@@ -1,0 +1,157 @@
+"""GSRQ codebooks on the Hugging Face Hub, apart from any model: load them by repo id, push a calibrated directory.
+
+Codebooks fitted once for a model are useful to everyone who runs that model, and calibrating takes minutes. A Hub
+repository holding the two files ``hf-kvcodecs calibrate`` writes (plus a card) lets a user skip that:
+``generate(..., cache_implementation="gsrq", cache_config={"codebooks": "owner/name"})``. Downloads go through
+``huggingface_hub``'s cache, so they work offline once fetched (``HF_HUB_OFFLINE=1``) and a commit hash pins them.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from .codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
+
+logger = logging.getLogger(__name__)
+
+CODEBOOK_CARD_TEMPLATE = "gsrq_codebooks.md"
+CODEBOOK_FILES = (METADATA_FILE, TENSORS_FILE)
+_SAVED_MODEL_HINT = (" If the repo holds a model saved by hf_kvcodecs, its codebooks are in its kv_codebooks/ folder: "
+                     "pass subfolder='kv_codebooks' (cache_config key 'codebooks_subfolder').")
+
+
+def looks_like_repo_id(source: str) -> bool:
+    """Whether ``source`` can name a Hub repository (``name`` or ``owner/name``) rather than only a local path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if source.startswith((".", "/", "~")) or "\\" in source:
+        return False
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return False
+    return True
+
+
+def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: str | None = None,
+                       token: str | bool | None = None, cache_dir: str | Path | None = None,
+                       local_files_only: bool = False) -> Path:
+    """The local directory holding the codebook files of Hub repo ``repo_id`` (downloaded into the Hub cache)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}" + (f"/{subfolder}" if subfolder else "") + (f" at revision {revision}" if revision else "")
+    paths = []
+    for name in CODEBOOK_FILES:
+        try:
+            paths.append(Path(hf_hub_download(repo_id, filename=name, subfolder=subfolder or None, revision=revision,
+                                              token=token, cache_dir=cache_dir, local_files_only=local_files_only)))
+        except LocalEntryNotFoundError as error:  # before EntryNotFoundError, which it subclasses
+            raise CodebookFileError(
+                f"{repo_id!r} is not a local directory, and its codebooks ({where}) are not in the Hub cache and could "
+                "not be downloaded (offline?). Download them once with network access, or pass a local directory."
+                + ("" if subfolder else _SAVED_MODEL_HINT)
+            ) from error
+        except GatedRepoError as error:
+            raise CodebookFileError(f"The Hub repo {repo_id} is gated: accept its terms on the Hub and log in "
+                                    f"(`hf auth login`) to download its codebooks ({error}).") from error
+        except RepositoryNotFoundError as error:
+            raise CodebookFileError(
+                f"{repo_id!r} is neither a local codebook directory nor a Hub repo this machine can read (private "
+                "repos need `hf auth login` or token=...). Pass a directory written by `hf-kvcodecs calibrate --out DIR` "
+                "or the id of a repo pushed with `hf-kvcodecs push-codebooks`."
+            ) from error
+        except RevisionNotFoundError as error:
+            raise CodebookFileError(f"The Hub repo {repo_id} has no revision {revision!r}.") from error
+        except EntryNotFoundError as error:
+            raise CodebookFileError(
+                f"The Hub repo {where} has no {name}: it does not hold GSRQ codebooks there. A codebook repo holds the "
+                "files `hf-kvcodecs calibrate` writes at its root." + ("" if subfolder else _SAVED_MODEL_HINT)
+            ) from error
+    if len({path.parent for path in paths}) != 1:  # both files of one snapshot, so they were saved together
+        raise CodebookFileError(f"The codebook files of {where} resolved to different folders: {paths}.")
+    return paths[0].parent
+
+
+def resolve_codebooks(source: str | Path, *, revision: str | None = None, subfolder: str | None = None,
+                      token: str | bool | None = None) -> Path:
+    """A local codebook directory for ``source``: an existing directory, else a Hub repo id (downloaded)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} was given, but {source} is a local directory; drop the revision "
+                             "or pass a Hub repo id.")
+        return path / subfolder if subfolder else path
+    if isinstance(source, str) and looks_like_repo_id(source):
+        return download_codebooks(source, revision=revision, subfolder=subfolder, token=token)
+    raise CodebookFileError(
+        f"{source} does not exist. Pass a directory written by `hf-kvcodecs calibrate --out DIR` or a Hub repo id "
+        "(owner/name) of pushed codebooks."
+    )
+
+
+def codebook_card(codebooks: GSRQCodebooks, *, repo_id: str | None = None, base_model: str | None = None,
+                  template: str | Path | None = None):
+    """A ``huggingface_hub.ModelCard`` describing ``codebooks``: the model they fit, how and on what they were fitted."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from .hub import library_versions, templates_dir
+
+    template_path = Path(template) if template is not None else templates_dir() / CODEBOOK_CARD_TEMPLATE
+    if not template_path.is_file():
+        raise FileNotFoundError(f"Codebook card template {template_path} not found; pass template=PATH.")
+    config, calibration = codebooks.config, codebooks.calibration
+    versions = library_versions()
+    card_data = ModelCardData(base_model=base_model, library_name="hf_kvcodecs", tags=["hf_kvcodecs", "gsrq",
+                              "kv-cache-compression", "vector-quantization"])
+    holdout = calibration.get("holdout_mean", {})
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(template_path),
+        repo_id=repo_id or "<namespace>/<repository>",
+        base_model=base_model,
+        fingerprint=codebooks.fingerprint,
+        config=config,
+        key_layout=codebooks.layout("keys"),
+        value_layout=codebooks.layout("values"),
+        max_bits=codebooks.max_bits_per_element(),
+        text=(calibration.get("text") or {}).get("description", "not recorded"),
+        tokens=calibration.get("tokens_seen"),
+        seconds=calibration.get("seconds_total"),
+        holdout_keys=holdout.get("keys_relative_mse"),
+        holdout_values=holdout.get("values_relative_mse"),
+        versions=versions,
+        versions_line=", ".join(f"{name} {version}" for name, version in versions.items() if version),
+    )
+
+
+def push_codebooks(source: GSRQCodebooks | str | Path, repo_id: str, *, base_model: str | None = None,
+                   token: str | None = None, private: bool | None = None, revision: str | None = None,
+                   create_pr: bool = False, commit_message: str | None = None):
+    """Upload codebooks (a ``GSRQCodebooks`` or a directory holding them) and a card to ``repo_id`` as one commit.
+
+    The codebooks are loaded first, so a corrupt or incomplete directory fails here, not on its users' machines.
+    Returns the commit info of the upload.
+    """
+    from huggingface_hub import HfApi
+
+    codebooks = source if isinstance(source, GSRQCodebooks) else GSRQCodebooks.load(Path(source).expanduser())
+    api = HfApi(token=token)
+    with tempfile.TemporaryDirectory(prefix="hf_kvcodecs_codebooks_") as staging:
+        staging = Path(staging)
+        codebooks.save(staging)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        codebook_card(codebooks, repo_id=repo_id, base_model=base_model).save(staging / "README.md")
+        return api.upload_folder(
+            folder_path=str(staging), repo_id=repo_id, repo_type="model", revision=revision, create_pr=create_pr,
+            commit_message=commit_message or "Upload GSRQ KV-cache codebooks (hf_kvcodecs)",
+        )
