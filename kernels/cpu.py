@@ -38,13 +38,14 @@ def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_gro
 def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
     """The flat table the compiled loop reads keys coded conditionally across heads from (operands as
     ``ConditionalHeadResidualVQ.attention_operands``: synthesis ``[H, H, D, D]``, codebooks ``[H, S, K, g]``, groups
-    ``[H, S]``): blocks ``j = 0..H-1`` one after another, block ``j`` ``[S*K, (H-j)*D]``, row ``s*K + k`` codeword
-    ``k`` of head ``j``'s stage ``s`` placed in its group times ``synthesis[j, j:]`` (its part of heads ``j..H-1``)."""
-    heads, dim = synthesis.shape[0], synthesis.shape[-1]
+    ``[H, S]``): slices ``(j, h)`` for ``j = 0..H-1``, ``h = j..H-1`` one after another, each ``[S*K, D]``, row
+    ``s*K + k`` codeword ``k`` of head ``j``'s stage ``s`` placed in its group times ``synthesis[j, h]`` (its part of
+    head ``h``). One slice per (source, target) pair lets the loop read one slice at a time (see ``cpu_native.cpp``)."""
+    heads = synthesis.shape[0]
     blocks = []
     for source in range(heads):
         onward = folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source])  # [H-j, S*K, D]
-        blocks.append(onward.transpose(0, 1).reshape(-1))
+        blocks.append(onward.reshape(-1))
     return torch.cat(blocks).contiguous()
 
 

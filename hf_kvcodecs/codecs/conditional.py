@@ -226,7 +226,7 @@ class ConditionalHeadResidualVQ:
     def conditional_key_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(table, mean) as the compiled CPU attention reads keys (``decode_attention(..., conditional_keys=True)``):
         ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates read a prefix of every
-        block) and the mean pairs as ``[H, H*D]``."""
+        slice) and the mean pairs as ``[H, H*D]``."""
         source = self._table_source or self
         if source._key_table is None or source._key_table[0].device != self.predictors.device:
             from ..kernels.cpu import conditional_key_table
