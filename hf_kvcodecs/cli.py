@@ -425,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--text", nargs="+", default=None, help="evaluation text (default: debian-licenses)")
     decode.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                         help="measure only the rows whose names contain one of these (the fp32 reference always "
-                             "runs), e.g. --only 'quanto 4' 'values given the keys'")
+                             "runs), e.g. --only 'quanto 4' 'values given the keys'; a TEXT ending in $ must end the "
+                             "name ('rebuilt from codes$': the default code-reading row, not its layout variants)")
     decode.set_defaults(func=cmd_bench_decode)
     return parser
 

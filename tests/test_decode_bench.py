@@ -71,6 +71,10 @@ def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny
                      "conditional on earlier heads, values given the keys"]
     assert [(c["key_layout"], c["value_layout"]) for c in calibrated] == [("conditional_heads", "given_keys")]
     calibrated.clear()
+    anchored = [m.name for m in decode.decode_methods(loaded, only=["rebuilt from codes$"], progress=False)]
+    assert anchored == [decode.REFERENCE, "GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes"]
+    assert len(calibrated) == 1 and "key_layout" not in calibrated[0]  # the default layout only
+    calibrated.clear()
     everything = decode.decode_methods(loaded, progress=False)
     assert len(calibrated) == 1 + len(decode.LAYOUT_VARIANTS) + 1  # default, the variants, keys after RoPE
     assert len(everything) > len(names) and "bf16 DynamicCache" in [m.name for m in everything]

@@ -70,12 +70,14 @@ class DecodeMethod:
 
 def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_text=None, store=None,
                    progress: bool = True, include_post_rope: bool = True, only=None) -> list[DecodeMethod]:
-    """Every row of ``bench decode``; with ``only`` (substrings), the rows whose names contain one of them, plus the
-    fp32 reference the ratios need (codebooks are calibrated only for rows that stay)."""
+    """Every row of ``bench decode``; with ``only`` (substrings; one ending in ``$`` must end the name), the rows
+    whose names contain one of them, plus the fp32 reference the ratios need (codebooks are calibrated only for rows
+    that stay)."""
     model = loaded.model
 
     def wanted(name: str) -> bool:
-        return only is None or name == REFERENCE or any(part in name for part in only)
+        return only is None or name == REFERENCE or any(
+            name.endswith(part[:-1]) if part.endswith("$") else part in name for part in only)
 
     methods = [DecodeMethod(REFERENCE, "full precision", full_precision_method(model).make_cache),
                DecodeMethod("bf16 DynamicCache", "full precision", lambda m: full_precision_method(m).make_cache(m),
