@@ -370,12 +370,14 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   const float* cosp = cos.const_data_ptr<float>();
   const float* sinp = sin.const_data_ptr<float>();
   const float scale = static_cast<float>(scaling);
-  // items in (batch, target head, tile) order: a thread's consecutive items mostly read the same slices
-  at::parallel_for(0, batch * heads * tiles, 1, [&](int64_t first, int64_t last) {
+  // Items in (batch, tile, target head) order: head h costs h + 1 slice passes, and parallel_for hands each thread
+  // one contiguous range, so ranges of whole tiles carry equal work (head-major order gave one of two threads twice
+  // the other's). A tile reads most rows of every slice it needs anyway, so which item ran before barely matters.
+  at::parallel_for(0, batch * tiles * heads, 1, [&](int64_t first, int64_t last) {
     HeadScales head_scale[kMaxConditionalHeads];
     std::vector<float> partial(kConditionalTileTokens * dim);
     for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / (heads * tiles), h = item / tiles % heads, tile = item % tiles;
+      const int64_t b = item / (tiles * heads), tile = item / heads % tiles, h = item % heads;
       const int64_t begin = tile * kConditionalTileTokens, end = std::min(tokens, begin + kConditionalTileTokens);
       for (int64_t j = 0; j <= h; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
       const float* qi = qp + b * heads * rows * dim;
