@@ -8,13 +8,10 @@ repository holding the two files ``hf-kvcodecs calibrate`` writes (plus a card) 
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from pathlib import Path
 
 from .codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
-
-logger = logging.getLogger(__name__)
 
 CODEBOOK_CARD_TEMPLATE = "gsrq_codebooks.md"
 CODEBOOK_FILES = (METADATA_FILE, TENSORS_FILE)
@@ -53,8 +50,9 @@ def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: 
     paths = []
     for name in CODEBOOK_FILES:
         try:
-            paths.append(Path(hf_hub_download(repo_id, filename=name, subfolder=subfolder or None, revision=revision,
-                                              token=token, cache_dir=cache_dir, local_files_only=local_files_only)))
+            paths.append(Path(hf_hub_download(repo_id, filename=f"{subfolder}/{name}" if subfolder else name,
+                                              revision=revision, token=token, cache_dir=cache_dir,
+                                              local_files_only=local_files_only)))
         except LocalEntryNotFoundError as error:  # before EntryNotFoundError, which it subclasses
             raise CodebookFileError(
                 f"{repo_id!r} is not a local directory, and its codebooks ({where}) are not in the Hub cache and could "

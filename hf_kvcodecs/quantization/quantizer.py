@@ -29,7 +29,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
 from ..codebook_hub import download_codebooks, looks_like_repo_id
-from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
+from ..codecs.gsrq_codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
 from ..integrations.loading import was_loaded_from_checkpoint
 from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
 from .modules import (
@@ -256,16 +256,13 @@ def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: s
 
 
 def _download_codebooks(repo_id: str, folder: PurePosixPath, checkpoint_files: list[str]) -> Path:
-    from huggingface_hub import hf_hub_download
-
     # The weights were resolved to .../snapshots/<commit>/...: fetch the codebooks of that same commit.
     revision = None
     if checkpoint_files:
         snapshot = Path(checkpoint_files[0]).parent
         if snapshot.parent.name == "snapshots":
             revision = snapshot.name
-    paths = [hf_hub_download(repo_id, filename=f"{folder}/{name}", revision=revision) for name in (METADATA_FILE, TENSORS_FILE)]
-    return Path(paths[0]).parent.resolve()
+    return download_codebooks(repo_id, revision=revision, subfolder=str(folder)).resolve()
 
 
 def _same_directory(reference, directory) -> bool:
