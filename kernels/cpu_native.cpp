@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -375,7 +376,9 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   // the other's). A tile reads most rows of every slice it needs anyway, so which item ran before barely matters.
   at::parallel_for(0, batch * tiles * heads, 1, [&](int64_t first, int64_t last) {
     HeadScales head_scale[kMaxConditionalHeads];
-    std::vector<float> partial(kConditionalTileTokens * dim);
+    // scratch only: the first source writes each partial key before anything reads it, so it is left uninitialized
+    // (a zeroed vector cost a 256-512 KB memset per layer call); one head alone never uses it
+    std::unique_ptr<float[]> partial(heads > 1 ? new float[kConditionalTileTokens * dim] : nullptr);
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / (tiles * heads), tile = item / heads % tiles, h = item % heads;
       const int64_t begin = tile * kConditionalTileTokens, end = std::min(tokens, begin + kConditionalTileTokens);
@@ -387,10 +390,10 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
       float* oi = op + b * heads * rows * out_stride;
       if (dim == 64) {
         conditional_scores_tile<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                    stages, codebook_size, table_rows, begin, end, scale, partial.data());
+                                    stages, codebook_size, table_rows, begin, end, scale, partial.get());
       } else {
         conditional_scores_tile<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                     stages, codebook_size, table_rows, begin, end, scale, partial.data());
+                                     stages, codebook_size, table_rows, begin, end, scale, partial.get());
       }
     }
   });
