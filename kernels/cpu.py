@@ -59,6 +59,7 @@ def coded_attention_cpu(
     value_mean, value_synthesis, value_codebooks, value_stage_groups,
     key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
     exact_keys=None, exact_values=None, exact_mask=None, key_scale_levels=None, value_scale_levels=None,
+    value_predictor=None,
 ):
     reference.check_coded_operands(key_codes, key_synthesis, key_codebooks, value_codes, value_codebooks)
     batch, query_heads, query_length, dim = query.shape
@@ -67,7 +68,8 @@ def coded_attention_cpu(
     native = native_ops()
     conditional = reference.is_conditional(key_synthesis)
     use_reference = rows > reference.LOOKUP_MAX_ROWS or tokens == 0 or (
-        conditional and (native is None or positions is None or not conditional_native_supports(dim, kv_heads)))
+        conditional and (native is None or positions is None or not conditional_native_supports(dim, kv_heads))) or (
+        value_predictor is not None and (native is None or positions is None))  # values given the keys: compiled only
     # 8-bit scales stay level indices only where the compiled loops look them up (pre-RoPE keys; values)
     if key_scale_levels is not None and (use_reference or native is None or positions is None):
         key_scales, key_scale_levels = reference.scale_values_from_levels(key_scale_levels, key_scales), None
@@ -77,7 +79,7 @@ def coded_attention_cpu(
         coded = reference.coded_attention_reference(
             query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
             key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, positions, inv_freq,
-            attention_scaling, mask, scaling,
+            attention_scaling, mask, scaling, value_predictor=value_predictor,
         )
         return reference.join_exact_attention(coded, query, exact_keys, exact_values, exact_mask, scaling)
     size = key_codebooks.shape[-2]
@@ -87,11 +89,17 @@ def coded_attention_cpu(
             key_table = fold(key_synthesis, key_codebooks, key_stage_groups)
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
+        prediction = None
+        if value_predictor is not None and not conditional:  # conditional keys take the predictor itself
+            prediction = (key_codes.expand(-1, kv_heads, -1, -1), key_scales, key_scale_levels,
+                          *reference.fold_value_prediction(value_predictor, key_mean, key_synthesis, key_codebooks,
+                                                           key_stage_groups))
         return prerope_decode_attention(
             native, query, key_codes, key_scales, key_scale_levels, key_table,
             key_mean.reshape(kv_heads, -1) if conditional else key_mean, rotary_cos, rotary_sin, size,
             value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean,
             value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional,
+            value_prediction=prediction, value_predictor=value_predictor if conditional else None,
         )
     q = query.float().reshape(batch, kv_heads, rows, dim)
     if key_scale_levels is None:
@@ -155,6 +163,7 @@ def prerope_decode_attention(
     native, query, key_codes, key_scales, key_scale_levels, key_table, key_mean, rotary_cos, rotary_sin, codebook_size,
     value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis,
     mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys: bool = False, value_prediction=None,
+    value_predictor=None,
 ):
     """Decode attention over keys coded before RoPE in one compiled call (``decode_attention`` in ``cpu_native.cpp``:
     key loop, exact tokens, masks, one softmax, value sums and synthesis) -> (output ``[B, Hq, Lq, D]``, lse), fp32.
@@ -172,7 +181,12 @@ def prerope_decode_attention(
     ``(key codes [B, Hs, N, S], key scales [B, Hs, N], their levels [Hs, 256] or None, key codebooks [1 or Hs, S, K,
     g], stage groups [1 or Hs, S], mean [Hs, H, D], synthesis [Hs, H, Dt, D], bias [H, D])``: value head ``h`` of a
     coded token gains ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) + bias[h]`` (see
-    ``KeyPredictedValueVQ.attention_operands``)."""
+    ``KeyPredictedValueVQ.attention_operands``).
+
+    ``value_predictor``: the same for conditional keys, given as the predictor itself (``[Hkv*D + 1, Hkv*D]``):
+    the key loop then forms the attention-weighted sums of the keys it rebuilds, tile by tile, and the prediction
+    is those sums times the predictor, with no histogram of the key codes (``ConditionalKeySums`` in
+    ``cpu_native.cpp``)."""
     batch, query_heads, query_length, dim = query.shape
     kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
     rows = (query_heads // kv_heads) * query_length
@@ -192,6 +206,7 @@ def prerope_decode_attention(
         no_tokens if exact_values is None else exact_values.float().contiguous(),
         None if exact_keys is None else _per_batch_row(exact_mask, batch, query_length),
         query_length, float(scaling), conditional_keys, *_prediction_operands(value_prediction),
+        **({} if value_predictor is None else {"value_predictor": value_predictor.float().contiguous()}),
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 

@@ -49,6 +49,40 @@ inline float horizontal_sum(Vec16 v) {
   for (int64_t l = 0; l < kLanes; ++l) total += v[l];
   return total;
 }
+inline Vec16 splat(float v) { return Vec16{} + v; }
+typedef int32_t Vec16i __attribute__((vector_size(64), aligned(4)));
+
+// e^x of 16 floats as 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by the degree-6 polynomial of Cephes' expf
+// (relative error about 1e-7, like std::exp); exactly 0 below -87.3, so a masked (-inf) score weighs nothing. Only
+// the loops that exponentiate scores tile by tile use it; elsewhere ATen's exp_ does the whole score tensor.
+inline Vec16 exp16(Vec16 x) {
+  const Vec16 low = splat(-87.3f), high = splat(88.3f);
+  const auto underflow = x < low;
+  x = x < low ? low : x;
+  x = x > high ? high : x;
+  const Vec16 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const Vec16 n = (x * 1.44269504088896341f + magic) - magic;
+  const Vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec16 y = p * r * r + r + 1.f;
+  const Vec16i exponent = (__builtin_convertvector(n, Vec16i) + 127) << 23;
+  const Vec16 result = y * (Vec16)exponent;  // same-size vector cast: the bits read as floats, i.e. 2^n
+  return underflow ? splat(0.f) : result;
+}
+
+// x[i] = e^(x[i] - shift) in place
+void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    *reinterpret_cast<Vec16*>(x + i) = exp16(load(x + i) - shift);
+  }
+  for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
+}
 
 // The per-token scales of one (batch, head): float values, or 8-bit indices into the head's table of levels (how the
 // cache stores them; looking them up here saves a gather and an index conversion per layer and step).
@@ -144,13 +178,14 @@ inline void prefetch_source_rows(const float* slice, const uint8_t* token_codes,
   }
 }
 
-// Target head h of tokens [begin, end); `partial` holds (end - begin) * kDim floats of scratch.
+// Target head h of tokens [begin, end); `partial` holds (end - begin) * kDim floats of scratch, which ends holding
+// head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`.
 template <int64_t kDim>
 void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const float* table,
                              const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                              int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
-                             float* partial) {
+                             float* partial, bool keep_keys) {
   constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
   const int64_t slice_floats = table_rows * kDim;
@@ -177,6 +212,9 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
       }
       Vec16 key[kBlocks];
       for (int64_t b = 0; b < kBlocks; ++b) key[b] = factor * part[b] + (h == 0 ? Vec16{} : load(keep + b * kLanes));
+      if (keep_keys) {
+        for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec16*>(keep + b * kLanes) = key[b];
+      }
       rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q + h * rows * kDim, rows,
                              out + h * rows * out_stride + t, out_stride, scaling);
     }
@@ -336,14 +374,108 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
   });
 }
 
+// The attention-weighted sums of the rebuilt keys that values coded given the keys need (v = residual + [k^, 1] @
+// predictor, linear in the keys), formed by the conditional key loop while each tile's keys are at hand, so neither
+// a key history nor a histogram per key head is ever built. Per (batch, tile, query row r of all heads): the tile's
+// score peak and sum over its tokens of e^(score - peak) * (every head's rebuilt pre-RoPE key) [H*D]; the tile's
+// scores are left as those weights, masks applied (decode_attention rescales them to the row's global peak).
+struct ConditionalKeySums {
+  const float* coded_mask;  // [B, Lq, N] additive, or nullptr
+  int64_t query_length;
+  int64_t tile_tokens;
+  float* tile_peaks;  // [B, tiles, H*M]
+  float* key_sums;    // [B, tiles, H*M, H*D]
+};
+
+// Tiles of at most kConditionalTileTokens, but enough of them to give every thread work: the fused loop's items
+// are whole tiles (all heads), and one 1024-token tile would leave a second thread idle at 1K context.
+int64_t conditional_tile_tokens(int64_t batch, int64_t tokens) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t wanted = std::max((tokens + kConditionalTileTokens - 1) / kConditionalTileTokens,
+                                  (threads + batch - 1) / batch);
+  const int64_t size = (std::max<int64_t>(tokens, 1) + wanted - 1) / wanted;
+  return std::min(kConditionalTileTokens, std::max<int64_t>(kLanes, (size + kLanes - 1) / kLanes * kLanes));
+}
+
+// sums[r * sums_stride + :kDim] = sum over t < n of weights[r * weight_stride + t] * keys[t * kDim + :kDim] for kRows
+// rows: the rows' sums stay in registers while the keys stream past once.
+template <int64_t kDim, int64_t kRows>
+void weighted_key_sums(const float* weights, int64_t weight_stride, const float* keys, int64_t n, float* sums,
+                       int64_t sums_stride) {
+  constexpr int64_t kBlocks = kDim / kLanes;
+  Vec16 acc[kRows][kBlocks] = {};
+  for (int64_t t = 0; t < n; ++t) {
+    Vec16 key[kBlocks];
+    for (int64_t b = 0; b < kBlocks; ++b) key[b] = load(keys + t * kDim + b * kLanes);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float w = weights[r * weight_stride + t];
+      for (int64_t b = 0; b < kBlocks; ++b) acc[r][b] += w * key[b];
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec16*>(sums + r * sums_stride + b * kLanes) = acc[r][b];
+  }
+}
+
+template <int64_t kDim>
+void weighted_key_sums_rows(const float* weights, int64_t weight_stride, const float* keys, int64_t n, float* sums,
+                            int64_t sums_stride, int64_t rows) {
+  constexpr int64_t kRowBlock = kDim == 64 ? 4 : 2;  // accumulators plus one key within 32 vector registers
+  int64_t r = 0;
+  for (; r + kRowBlock <= rows; r += kRowBlock) {
+    weighted_key_sums<kDim, kRowBlock>(weights + r * weight_stride, weight_stride, keys, n, sums + r * sums_stride,
+                                       sums_stride);
+  }
+  for (; r < rows; ++r) weighted_key_sums<kDim, 1>(weights + r * weight_stride, weight_stride, keys, n,
+                                                   sums + r * sums_stride, sums_stride);
+}
+
+// One whole tile (every target head) of the fused loop: scores, then per query row its masks, peak and weights, then
+// the weighted sums of every head's keys, kept in `keys` ([H, tile_tokens, kDim] scratch).
+template <int64_t kDim>
+void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const HeadScales* scales, const float* table,
+                                    const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
+                                    int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
+                                    int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end,
+                                    float scaling, float* keys, const ConditionalKeySums& spec, const float* mask,
+                                    float* peaks, float* sums) {
+  const int64_t n = end - begin;
+  for (int64_t h = 0; h < heads; ++h) {
+    conditional_scores_tile<kDim>(q, codes, scales, table, mean, cos, sin, out, heads, h, rows, out_stride, tokens,
+                                  stages, codebook_size, table_rows, begin, end, scaling,
+                                  keys + h * spec.tile_tokens * kDim, true);
+  }
+  const int64_t all_rows = heads * rows;
+  for (int64_t r = 0; r < all_rows; ++r) {
+    float* s = out + r * out_stride + begin;
+    if (mask != nullptr) {
+      const float* row_mask = mask + (r % rows % spec.query_length) * tokens + begin;
+      for (int64_t t = 0; t < n; ++t) s[t] += row_mask[t];
+    }
+    const float peak = row_max(s, n);
+    peaks[r] = peak;
+    if (peak == -std::numeric_limits<float>::infinity()) {
+      std::fill(s, s + n, 0.f);  // a fully masked tile weighs nothing (and -inf would turn a later rescale into NaN)
+    } else {
+      exp_shifted(s, n, peak);
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    weighted_key_sums_rows<kDim>(out + begin, out_stride, keys + i * spec.tile_tokens * kDim, n, sums + i * kDim,
+                                 heads * kDim, all_rows);
+  }
+}
+
 // Conditional keys: q [B, H, M, D] f32 (D 64 or 128); codes [B, H, N, S] u8; scales [B, H, N] f32 (or u8 with
 // scale_levels [H, 256] f32); table flat f32, slices (j, h) for j = 0..H-1, h = j..H-1 in that order, each [R, D]
 // (R >= S * K); mean [H, H*D] f32;
-// cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
+// cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]; with `key_sums`, the
+// fused loop for values coded given the keys (ConditionalKeySums).
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
                              const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
-                             int64_t codebook_size, double scaling, float* op, int64_t out_stride) {
+                             int64_t codebook_size, double scaling, float* op, int64_t out_stride,
+                             const ConditionalKeySums* key_sums = nullptr) {
   check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks for conditional keys");
   for (const auto* t : {&q, &table, &mean, &cos, &sin}) {
@@ -371,6 +503,31 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   const float* cosp = cos.const_data_ptr<float>();
   const float* sinp = sin.const_data_ptr<float>();
   const float scale = static_cast<float>(scaling);
+  if (key_sums != nullptr) {
+    const int64_t tile_tokens = key_sums->tile_tokens;
+    const int64_t tiles = (tokens + tile_tokens - 1) / tile_tokens;
+    const int64_t all_rows = heads * rows;
+    at::parallel_for(0, batch * tiles, 1, [&](int64_t first, int64_t last) {
+      HeadScales head_scale[kMaxConditionalHeads];
+      std::unique_ptr<float[]> keys(new float[heads * tile_tokens * dim]);  // scratch: written before it is read
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t b = item / tiles, tile = item % tiles;
+        const int64_t begin = tile * tile_tokens, end = std::min(tokens, begin + tile_tokens);
+        for (int64_t j = 0; j < heads; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
+        const float* mask = key_sums->coded_mask == nullptr
+                                ? nullptr
+                                : key_sums->coded_mask + b * key_sums->query_length * tokens;
+        float* peaks = key_sums->tile_peaks + item * all_rows;
+        float* sums = key_sums->key_sums + item * all_rows * heads * dim;
+        const auto run = dim == 64 ? conditional_tile_with_key_sums<64> : conditional_tile_with_key_sums<128>;
+        run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, mp,
+            cosp + b * tokens * dim, sinp + b * tokens * dim, op + b * heads * rows * out_stride, heads, rows,
+            out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
+            peaks, sums);
+      }
+    });
+    return;
+  }
   // Items in (batch, tile, target head) order: head h costs h + 1 slice passes, and parallel_for hands each thread
   // one contiguous range, so ranges of whole tiles carry equal work (head-major order gave one of two threads twice
   // the other's). A tile reads most rows of every slice it needs anyway, so which item ran before barely matters.
@@ -390,10 +547,10 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
       float* oi = op + b * heads * rows * out_stride;
       if (dim == 64) {
         conditional_scores_tile<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                    stages, codebook_size, table_rows, begin, end, scale, partial.get());
+                                    stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
       } else {
         conditional_scores_tile<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                     stages, codebook_size, table_rows, begin, end, scale, partial.get());
+                                     stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
       }
     }
   });
@@ -582,7 +739,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     const c10::optional<at::Tensor>& predicted_scales, const c10::optional<at::Tensor>& predicted_scale_levels,
     const c10::optional<at::Tensor>& predicted_codebooks, const c10::optional<at::Tensor>& predicted_stage_groups,
     const c10::optional<at::Tensor>& predicted_mean, const c10::optional<at::Tensor>& predicted_synthesis,
-    const c10::optional<at::Tensor>& predicted_bias) {
+    const c10::optional<at::Tensor>& predicted_bias, const c10::optional<at::Tensor>& value_predictor) {
   check(q.dim() == 4 && key_codes.dim() == 4, "unexpected ranks");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = key_codes.size(2), exact = exact_keys.size(2), width = tokens + exact;
@@ -611,9 +768,31 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   }
   auto scores = at::empty({batch, heads, rows, width}, q.options());
   float* sp = scores.data_ptr<float>();
+  // Values coded given the keys, keys coded conditionally: the key loop also forms the attention-weighted key sums
+  // the prediction needs (ConditionalKeySums), tile by tile, with the coded tokens' masks and weights.
+  const bool fused_prediction = conditional_keys && value_predictor.has_value();
+  const float* predictor = nullptr;
+  int64_t tiles = 0, tile_tokens = 0;
+  at::Tensor tile_peaks, tile_key_sums, key_sums;
+  if (fused_prediction) {
+    check(value_predictor->scalar_type() == at::kFloat && value_predictor->is_contiguous() &&
+              value_predictor->dim() == 2 && value_predictor->size(0) == heads * dim + 1 &&
+              value_predictor->size(1) == heads * dim,
+          "value_predictor must be contiguous float32 [heads * head_dim + 1, heads * head_dim]");
+    predictor = value_predictor->const_data_ptr<float>();
+    tile_tokens = conditional_tile_tokens(batch, tokens);
+    tiles = (tokens + tile_tokens - 1) / tile_tokens;
+    tile_peaks = at::empty({batch, tiles, heads * rows}, q.options());
+    tile_key_sums = at::empty({batch, tiles, heads * rows, heads * dim}, q.options());
+    key_sums = at::zeros({batch * heads * rows, heads * dim}, q.options());
+  }
   if (conditional_keys) {
+    const ConditionalKeySums spec{coded_mask.has_value() ? coded_mask->const_data_ptr<float>() : nullptr,
+                                  query_length, tile_tokens,
+                                  fused_prediction ? tile_peaks.data_ptr<float>() : nullptr,
+                                  fused_prediction ? tile_key_sums.data_ptr<float>() : nullptr};
     conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
-                            scaling, sp, width);
+                            scaling, sp, width, fused_prediction ? &spec : nullptr);
   } else {
     prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
                         scaling, sp, width);
@@ -625,6 +804,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   const float* exact_mp = exact_mask.has_value() ? exact_mask->const_data_ptr<float>() : nullptr;
   auto peaks = at::empty({batch, heads, rows}, q.options());
   float* pk = peaks.data_ptr<float>();
+  const float* tile_peak_data = fused_prediction ? tile_peaks.const_data_ptr<float>() : nullptr;
+  const float* tile_key_sum_data = fused_prediction ? tile_key_sums.const_data_ptr<float>() : nullptr;
+  float* key_sum_data = fused_prediction ? key_sums.data_ptr<float>() : nullptr;
   // exact tokens' scores, masks, and each row's maximum (0 for a fully masked row, as reference.exp_weights)
   at::parallel_for(0, batch * heads * rows, 1, [&](int64_t first, int64_t last) {
     for (int64_t row = first; row < last; ++row) {
@@ -638,7 +820,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
         for (int64_t d = 0; d < dim; ++d) dot += qm[d] * keys[t * dim + d];
         out[tokens + t] = dot * scale;
       }
-      if (coded_mp != nullptr) {
+      if (coded_mp != nullptr && !fused_prediction) {
         const float* mask = coded_mp + (b * query_length + l) * tokens;
         for (int64_t n = 0; n < tokens; ++n) out[n] += mask[n];
       }
@@ -646,20 +828,43 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
         const float* mask = exact_mp + (b * query_length + l) * exact;
         for (int64_t t = 0; t < exact; ++t) out[tokens + t] += mask[t];
       }
-      float peak = row_max(out, width);
-      if (peak == -std::numeric_limits<float>::infinity()) peak = 0.f;
-      for (int64_t n = 0; n < width; ++n) out[n] -= peak;
+      constexpr float kNone = -std::numeric_limits<float>::infinity();
+      if (!fused_prediction) {
+        float peak = row_max(out, width);
+        if (peak == kNone) peak = 0.f;
+        for (int64_t n = 0; n < width; ++n) out[n] -= peak;
+        pk[row] = peak;
+        continue;
+      }
+      // the coded tokens already hold e^(score - tile peak): rescale each tile, and its key sums, to the row's peak
+      const int64_t r = row % (heads * rows);
+      float peak = row_max(out + tokens, exact);
+      const float* row_peaks = tile_peak_data + b * tiles * heads * rows + r;  // stride heads * rows per tile
+      for (int64_t tile = 0; tile < tiles; ++tile) peak = std::max(peak, row_peaks[tile * heads * rows]);
+      if (peak == kNone) peak = 0.f;
+      float* sums = key_sum_data + row * heads * dim;
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const float tile_peak = row_peaks[tile * heads * rows];
+        const float factor = tile_peak == kNone ? 0.f : std::exp(tile_peak - peak);
+        const int64_t begin = tile * tile_tokens, end = std::min(tokens, begin + tile_tokens);
+        if (factor != 1.f) {
+          for (int64_t n = begin; n < end; ++n) out[n] *= factor;
+        }
+        const float* tile_sums = tile_key_sum_data + ((b * tiles + tile) * heads * rows + r) * heads * dim;
+        for (int64_t d = 0; d < heads * dim; ++d) sums[d] += factor * tile_sums[d];
+      }
+      exp_shifted(out + tokens, exact, peak);
       pk[row] = peak;
     }
   });
-  scores.exp_();  // ATen's vectorized exp; unnormalized weights: the outputs are divided by the totals instead
+  if (!fused_prediction) scores.exp_();  // ATen's vectorized exp; unnormalized weights: outputs are divided by totals
   auto [z, weight_sum] = value_transform_sums(scores, value_codes, value_scales, value_scale_levels, value_codebooks,
                                               value_stage_groups, transform_dim);
   // Values coded given the keys (v = residual + k^ @ A + bias): the value codes above hold the residual, and each
   // source key head j adds sum_t p_t s_tj (mean_j + z_tj @ synthesis_j) @ A[j, h] to every value head h, i.e.
   // w_j * predicted_mean[j, h] + z_j @ predicted_synthesis[j, h] with z_j, w_j a histogram of head j's key codes over
   // the query rows of all heads (each value head reads every key head).
-  const bool predicted = predicted_codes.has_value();
+  const bool predicted = predicted_codes.has_value() && !fused_prediction;
   int64_t source_heads = 0, predicted_dim = 0;
   std::vector<at::Tensor> predicted_sums;  // per source head: z [B, 1, H*M, Dt'] and w [B, 1, H*M]
   if (predicted) {
@@ -745,6 +950,19 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
         }
         const float coded_weight = row_sum(weights, tokens);  // the bias is predicted for the coded tokens only
         const float* bias = predicted_bias->const_data_ptr<float>() + h * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += coded_weight * bias[d];
+      }
+      if (fused_prediction) {  // [sum_t p_t k^_t, sum_t p_t] @ predictor, value head h's columns
+        const int64_t flat = heads * dim;
+        const float* sums = key_sums.const_data_ptr<float>() + row * flat;
+        for (int64_t i = 0; i < flat; ++i) {
+          const float c = sums[i];
+          if (c == 0.f) continue;
+          const float* prow = predictor + i * flat + h * dim;
+          for (int64_t d = 0; d < dim; ++d) acc[d] += c * prow[d];
+        }
+        const float coded_weight = row_sum(weights, tokens);
+        const float* bias = predictor + flat * flat + h * dim;
         for (int64_t d = 0; d < dim; ++d) acc[d] += coded_weight * bias[d];
       }
       const float* values = ev + bh * exact * dim;
@@ -910,7 +1128,7 @@ TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
         "int query_length, float scaling, bool conditional_keys=False, Tensor? predicted_codes=None, "
         "Tensor? predicted_scales=None, Tensor? predicted_scale_levels=None, Tensor? predicted_codebooks=None, "
         "Tensor? predicted_stage_groups=None, Tensor? predicted_mean=None, Tensor? predicted_synthesis=None, "
-        "Tensor? predicted_bias=None) -> (Tensor, Tensor)");
+        "Tensor? predicted_bias=None, Tensor? value_predictor=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {

@@ -92,8 +92,9 @@ def coded_attention(
     Values coded given the keys (``value_predictor`` ``[Hkv*D + 1, Hkv*D]`` with the residual code's value operands,
     ``KeyPredictedValueVQ``): the prediction from the coded keys is added from attention-weighted sums of the keys
     (``reference.predicted_value_sums``); the Triton kernel adds it from every source key head's codes
-    (``reference.fold_value_prediction``). On CPU the op runs the reference for it, and the cache calls the compiled
-    loop that adds it from the key codes directly (``cpu.prerope_decode_attention(value_prediction=...)``).
+    (``reference.fold_value_prediction``), and so does the compiled CPU loop for per-head or joint keys; for
+    conditional keys the compiled CPU loop forms the weighted key sums while it rebuilds the keys
+    (``cpu.prerope_decode_attention(value_predictor=...)``). Without the compiled loops, the reference.
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
@@ -147,7 +148,7 @@ def _reference(*args):
 
 @coded_attention.register_kernel("cpu")
 def _coded_attention_cpu(*args):
-    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference" or _value_predictor(args) is not None:
+    if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
         return _reference(*args)
     from .cpu import coded_attention_cpu
 

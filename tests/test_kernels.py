@@ -330,6 +330,43 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
         reference.fold_value_prediction(problem["value_predictor"][:-1], *problem["key_codec"])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_conditional_keys_with_values_given_keys_fuse_the_prediction_into_the_key_loop_across_tiles(threads):
+    """The compiled CPU loop for conditional keys forms the prediction's weighted key sums tile by tile (each tile
+    exponentiated against its own peak, then rescaled to the row's): more than one tile, a tile that a padding mask
+    hides entirely, a row hidden entirely (coded and exact tokens) and two queries per step, against float64."""
+    if native_ops() is None:
+        pytest.skip(f"compiled CPU loops unavailable: {build_error()}")
+    problem = make_problem(rope=True, joint="values", conditional=True, kv_heads=3, group_count=3, tokens=1100,
+                           query_length=2, padded=False)
+    add_exact_tokens(problem)
+    mask = torch.zeros(2, 2, 1100)
+    mask[0, :, :700] = -math.inf  # the first of the two 560-token tiles entirely, the second partly
+    mask[1, 1] = -math.inf  # the second query of the second row sees nothing coded ...
+    problem["mask"] = mask
+    problem["exact"][2][1, 1] = -math.inf  # ... and nothing exact
+    width = 3 * 64
+    problem["value_predictor"] = torch.randn(width + 1, width, generator=torch.Generator().manual_seed(5)) / width**0.5
+    truth, truth_lse = dequantize_then_attend(problem, torch.float64)
+    plain, _ = dequantize_then_attend(problem, torch.float32)
+    visible = torch.ones_like(truth, dtype=torch.bool)
+    visible[1, :, 1] = False
+    pytorch_error = (plain - truth)[visible].abs().max().item()
+    args = op_arguments(problem) + list(problem["exact"]) + [None, None, problem["value_predictor"]]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = coded_attention_cpu(*args)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.isfinite(out).all()
+    error = (out.double() - truth)[visible].abs().max().item()
+    assert error <= 2 * pytorch_error + 1e-5, (error, pytorch_error)
+    torch.testing.assert_close(lse.double()[visible[..., 0]], truth_lse[visible[..., 0]], rtol=0, atol=1e-4)
+    reference_out, _ = ops._reference(*args)
+    torch.testing.assert_close(out[1, :, 1], reference_out[1, :, 1])  # a row that sees nothing: as the reference
+
+
 def test_triton_folds_a_value_predictor_once_per_predictor_and_key_operands():
     from hf_kvcodecs.kernels.triton_attention import _folded_prediction
 

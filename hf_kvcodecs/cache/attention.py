@@ -87,12 +87,15 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
         key_table, key_mean = _cpu_key_table(key_codec)
-        prediction = None
+        prediction = predictor = None
         if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
             value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
-            key_heads = key_scales.shape[1]
-            prediction = (layer.key_codes.expand(-1, key_heads, -1, -1), key_scales, key_levels,
-                          *value_codec.attention_prediction(key_codec))
+            if conditional:  # the key loop forms the weighted key sums the predictor needs
+                predictor = value_codec.predictor
+            else:  # a histogram of the key codes per key head
+                key_heads = key_scales.shape[1]
+                prediction = (layer.key_codes.expand(-1, key_heads, -1, -1), key_scales, key_levels,
+                              *value_codec.attention_prediction(key_codec))
         else:
             value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
         out, _ = prerope_decode_attention(
@@ -100,6 +103,7 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
             key_codec.codebook_size if conditional else key_codec.codebooks.shape[1], layer.value_codes,
             value_scales, value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, coded_mask,
             scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional, value_prediction=prediction,
+            value_predictor=predictor,
         )
         return out.to(query.dtype)
     # CPU kernels rebuild pre-RoPE keys from the table (under torch.compile too); for conditional keys only the
