@@ -7,8 +7,10 @@
 //                     the synthesis, in one call;
 //   prerope_scores_into  key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted
 //                     with every query row of its KV head, times the token's scale and the softmax scaling;
-//   conditional_scores_into  the same for keys coded conditionally on the heads before them: all heads of a token
-//                     rebuilt together from wider rows (decode_attention with conditional_keys=True);
+//   conditional_scores_into  the same for keys coded conditionally on the heads before them, tile by tile, one
+//                     source head's slice of the table at a time (decode_attention with conditional_keys=True); for
+//                     values coded given the keys it also forms the attention-weighted sums of the keys it rebuilds
+//                     (ConditionalKeySums), which the prediction of the values needs;
 //   value_transform_sums  probability x value scale added into one bin per (stage, codeword), per query row, then
 //                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors
 //                     (also an op of its own: kernels/cpu.py uses it for keys coded after RoPE).

@@ -18,9 +18,12 @@ prediction from rotated keys would depend on the position).
 
 Attention over these values needs the prediction term ``sum_t p_t k^_t @ P`` too. ``k^_t`` is linear in the key
 codes, so it is one more histogram per key head over the same attention weights (:meth:`attention_prediction`): the
-compiled CPU attention computes it that way, and so does the Triton kernel (``kernels.reference.
-fold_value_prediction``). The op ``hf_kvcodecs::coded_attention`` takes the predictor itself (``value_predictor``);
-its reference adds ``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys, chunk by chunk.
+Triton kernel computes it that way (``kernels.reference.fold_value_prediction``), and so does the compiled CPU
+attention for keys per head. For keys coded conditionally across heads, the compiled CPU loop instead forms
+``sum_t p_t k^_t`` while it rebuilds the keys, tile by tile (each tile's weights against its own peak, rescaled to the
+row's afterwards), and multiplies it by ``P``: no histogram per key head, about the cost of conditional keys alone.
+The op ``hf_kvcodecs::coded_attention`` takes the predictor itself (``value_predictor``); its reference adds
+``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys, chunk by chunk.
 """
 
 from __future__ import annotations
@@ -149,8 +152,8 @@ class KeyPredictedValueVQ:
         # The residual code's operands alone would silently drop the prediction: callers must ask for both.
         raise NotImplementedError(
             "Values coded given the keys are the residual code plus a prediction from the keys: pass "
-            "residual_attention_operands() and value_predictor=codec.predictor to hf_kvcodecs::coded_attention (or "
-            "attention_prediction(key_codec) to the compiled CPU loop)."
+            "residual_attention_operands() and value_predictor=codec.predictor to hf_kvcodecs::coded_attention (or, "
+            "to the compiled CPU loop, value_predictor for conditional keys, attention_prediction(key_codec) for others)."
         )
 
     def residual_attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
