@@ -14,7 +14,7 @@ from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residu
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
 from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
-from ..codecs.kmeans import DEFAULT_LEARNER
+from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, check_bit_rate, fit_transform_residual_vq, gaussian_rate_distortion_reference,
     joint_rate_distortion_reference, relative_mse, stages_for_rate,
@@ -177,6 +177,7 @@ def fit_gsrq_codebooks(
         "seconds_total": finished - started,
         "bits_per_element_at_max": {"keys": key_codecs[0].bits_per_element(), "values": value_codecs[0].bits_per_element()},
         "holdout_encoder": {"revision": ENCODER_REVISION, "gain": DEFAULT_GAIN, "beam_width": DEFAULT_BEAM_WIDTH},
+        "kmeans_seeding": KMEANS_SEEDING_REVISION,
         "holdout_mean": {k: mean(k) for k in per_layer[0]},
         "holdout_per_layer": per_layer,
     }
