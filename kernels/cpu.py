@@ -92,8 +92,8 @@ def coded_attention_cpu(
         prediction = None
         if value_predictor is not None and not conditional:  # conditional keys take the predictor itself
             prediction = (key_codes.expand(-1, kv_heads, -1, -1), key_scales, key_scale_levels,
-                          *reference.fold_value_prediction(value_predictor, key_mean, key_synthesis, key_codebooks,
-                                                           key_stage_groups))
+                          *reference.cached_fold_value_prediction(
+                              value_predictor, (key_mean, key_synthesis, key_codebooks, key_stage_groups)))
         return prerope_decode_attention(
             native, query, key_codes, key_scales, key_scale_levels, key_table,
             key_mean.reshape(kv_heads, -1) if conditional else key_mean, rotary_cos, rotary_sin, size,

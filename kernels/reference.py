@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 DEFAULT_CHUNK_TOKENS = 1024  # coded tokens reconstructed at a time; bounds the transient full-precision memory
 # Lookup tables and value histograms cost M * S * K numbers per KV head: right for decoding (M = a few query heads),
@@ -286,6 +287,28 @@ def fold_value_prediction(predictor, key_mean, key_synthesis, key_codebooks, key
         codebooks, stage_groups = key_codebooks, key_stage_groups
     bias = predictor[-1].reshape(heads, dim)
     return tuple(t.contiguous() for t in (codebooks, stage_groups, mean, synthesis, bias))
+
+
+# The cache passes the same predictor and key operands at every step and layer call; folding them is a
+# [Hs, H, Dt, D] product, so it is done once per (predictor, key operands) while they live.
+_FOLDED_PREDICTIONS = WeakTensorKeyDictionary()
+
+
+def cached_fold_value_prediction(value_predictor, key_operands, stage_group_dtype=torch.long):
+    """:func:`fold_value_prediction` with float32 contiguous codebooks and stage groups of ``stage_group_dtype`` (the
+    compiled CPU loop reads int64, the Triton kernel int32), reused while the same predictor (unmodified) and the same
+    key operand tensors come back."""
+    cached = _FOLDED_PREDICTIONS.get(value_predictor)
+    if (cached is None or cached[1] != value_predictor._version
+            or not all(a is b for a, b in zip(cached[0], key_operands))):
+        cached = (tuple(key_operands), value_predictor._version, {})
+        _FOLDED_PREDICTIONS[value_predictor] = cached
+    folded = cached[2].get(stage_group_dtype)
+    if folded is None:
+        codebooks, groups, *rest = fold_value_prediction(value_predictor, *key_operands)
+        folded = cached[2][stage_group_dtype] = (codebooks.float().contiguous(),
+                                                 groups.to(stage_group_dtype).contiguous(), *rest)
+    return folded
 
 
 def predicted_value_sums(probabilities, decode_keys, predictor, chunk_tokens=DEFAULT_CHUNK_TOKENS):

@@ -23,9 +23,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from torch.utils.weak import WeakTensorKeyDictionary
 
-from .reference import check_coded_operands, fold_value_prediction, is_conditional, softmax_with_lse
+from .reference import cached_fold_value_prediction, check_coded_operands, is_conditional, softmax_with_lse
 
 
 @triton.jit
@@ -224,20 +223,8 @@ def _coded_attention_kernel(
     tl.store(lse_ptr + partial, lse, mask=row_mask)
 
 
-# The cache passes the same predictor and key operands at every step and layer call; folding them is a
-# [Hs, H, Dt, D] product, so it is done once per (predictor, key operands) while they live.
-_FOLDED_PREDICTIONS = WeakTensorKeyDictionary()
-
-
 def _folded_prediction(value_predictor, key_operands):
-    cached = _FOLDED_PREDICTIONS.get(value_predictor)
-    if (cached is not None and cached[1] == value_predictor._version
-            and all(a is b for a, b in zip(cached[0], key_operands))):
-        return cached[2]
-    codebooks, groups, *rest = fold_value_prediction(value_predictor, *key_operands)
-    folded = (codebooks.float().contiguous(), groups.to(torch.int32).contiguous(), *rest)
-    _FOLDED_PREDICTIONS[value_predictor] = (key_operands, value_predictor._version, folded)
-    return folded
+    return cached_fold_value_prediction(value_predictor, key_operands, stage_group_dtype=torch.int32)
 
 
 def coded_attention_triton(
