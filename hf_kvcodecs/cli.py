@@ -267,6 +267,14 @@ def cmd_demo(args) -> int:
     print(f"prompt: {prompt_len} tokens of {corpus.description.split(':')[0]} + a question; "
           f"{args.max_new_tokens} new tokens, greedy\n")
 
+    if model.device.type == "cpu":  # built once per machine (about 20 s): kept out of the timed generations below
+        from .kernels.cpu_native import native_ops
+
+        started = time.perf_counter()
+        ready = native_ops() is not None
+        print(f"compiled CPU attention: {'ready' if ready else 'unavailable, the PyTorch implementation runs'} "
+              f"({time.perf_counter() - started:.0f}s)\n")
+
     shape = model_fingerprint(model.config)
     elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
     runs = [("fp32 DynamicCache", lambda: DynamicCache(config=model.config))]
