@@ -956,7 +956,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
       }
       if (fused_prediction) {  // [sum_t p_t k^_t, sum_t p_t] @ predictor, value head h's columns
         const int64_t flat = heads * dim;
-        const float* sums = key_sums.const_data_ptr<float>() + row * flat;
+        const float* sums = key_sum_data + row * flat;
         for (int64_t i = 0; i < flat; ++i) {
           const float c = sums[i];
           if (c == 0.f) continue;

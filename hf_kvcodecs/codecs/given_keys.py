@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import fold_value_prediction
+from ..kernels.reference import cached_fold_value_prediction
 from .conditional import ridge_regression
 from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq
 from .residual import DEFAULT_BEAM_WIDTH, DEFAULT_GAIN
@@ -49,7 +49,6 @@ class KeyPredictedValueVQ:
     residual_codec: JointHeadResidualVQ
     predictor: torch.Tensor  # [H*D + 1, H*D] float32
     stats: dict = field(default_factory=dict)
-    _prediction_operands: tuple | None = field(default=None, repr=False, compare=False)
 
     needs_keys = True  # the cache hands encode/decode the tokens' decoded keys
     code_heads = 1
@@ -165,14 +164,9 @@ class KeyPredictedValueVQ:
         (codebooks ``[1 or Hs, S, K, g]``, stage groups ``[1 or Hs, S]``, mean ``[Hs, H, D]``, synthesis
         ``[Hs, H, Dt, D]``, bias ``[H, D]``), so that value head ``h`` of a coded token is its residual plus
         ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) + bias[h]``, ``z_j`` read from source head ``j``'s key codes
-        (for joint keys: the shared code, with head ``j``'s scale). Built once per key codec."""
-        cached = self._prediction_operands
-        if cached is None or cached[0] is not key_codec or cached[1][2].device != self.predictor.device:
-            self._prediction_operands = (key_codec, self._build_prediction_operands(key_codec))
-        return self._prediction_operands[1]
-
-    def _build_prediction_operands(self, key_codec):
-        return fold_value_prediction(self.predictor, *key_codec.attention_operands())
+        (for joint keys: the shared code, with head ``j``'s scale). Built once per predictor and key operands (the
+        fold the op's implementations share)."""
+        return cached_fold_value_prediction(self.predictor, key_codec.attention_operands())
 
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
