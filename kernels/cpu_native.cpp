@@ -40,40 +40,48 @@ constexpr int64_t kBlockTokens = 256;
 constexpr int64_t kMaxHeadDim = 512;
 constexpr int64_t kPrefetchDistance = 4;
 
-// A 16-float vector in GCC/Clang's vector extension: compiled to whatever SIMD -march=native offers (one AVX-512
-// register, two AVX2 ones, ...). Loop-based code left the compiler emitting scalar adds for these loops.
-typedef float Vec16 __attribute__((vector_size(64), aligned(4)));  // aligned(4): loads need no 64-byte alignment
+// One SIMD register of floats in GCC/Clang's vector extension, as wide as -march=native allows (loop-based code
+// left the compiler emitting scalar adds for these loops). Never wider than a register: GCC keeps a vector twice a
+// register's width (16 floats on an AVX2 CPU) in memory across loops, so every add became a load and a store
+// (the key loop ran 2.6x slower on an AVX2 machine, 3.1 vs 1.2 us per token at 4K).
+#if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+#else
+constexpr int64_t kLanes = 4;
+#endif
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));  // aligned(4): unaligned loads
 
-inline Vec16 load(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
-inline float horizontal_sum(Vec16 v) {
+inline Vec load(const float* p) { return *reinterpret_cast<const Vec*>(p); }
+inline float horizontal_sum(Vec v) {
   float total = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) total += v[l];
   return total;
 }
-inline Vec16 splat(float v) { return Vec16{} + v; }
-typedef int32_t Vec16i __attribute__((vector_size(64), aligned(4)));
+inline Vec splat(float v) { return Vec{} + v; }
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
-// e^x of 16 floats as 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by the degree-6 polynomial of Cephes' expf
+// e^x of a vector of floats, each as 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by the degree-6 polynomial of Cephes' expf
 // (relative error about 1e-7, like std::exp); exactly 0 below -87.3, so a masked (-inf) score weighs nothing. Only
 // the loops that exponentiate scores tile by tile use it; elsewhere ATen's exp_ does the whole score tensor.
-inline Vec16 exp16(Vec16 x) {
-  const Vec16 low = splat(-87.3f), high = splat(88.3f);
+inline Vec exp_lanes(Vec x) {
+  const Vec low = splat(-87.3f), high = splat(88.3f);
   const auto underflow = x < low;
   x = x < low ? low : x;
   x = x > high ? high : x;
-  const Vec16 magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const Vec16 n = (x * 1.44269504088896341f + magic) - magic;
-  const Vec16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Vec16 p = splat(1.9875691500e-4f);
+  const Vec magic = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const Vec n = (x * 1.44269504088896341f + magic) - magic;
+  const Vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const Vec16 y = p * r * r + r + 1.f;
-  const Vec16i exponent = (__builtin_convertvector(n, Vec16i) + 127) << 23;
-  const Vec16 result = y * (Vec16)exponent;  // same-size vector cast: the bits read as floats, i.e. 2^n
+  const Vec y = p * r * r + r + 1.f;
+  const VecI exponent = (__builtin_convertvector(n, VecI) + 127) << 23;
+  const Vec result = y * (Vec)exponent;  // same-size vector cast: the bits read as floats, i.e. 2^n
   return underflow ? splat(0.f) : result;
 }
 
@@ -81,7 +89,7 @@ inline Vec16 exp16(Vec16 x) {
 void exp_shifted(float* x, int64_t n, float shift) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    *reinterpret_cast<Vec16*>(x + i) = exp16(load(x + i) - shift);
+    *reinterpret_cast<Vec*>(x + i) = exp_lanes(load(x + i) - shift);
   }
   for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
@@ -99,33 +107,33 @@ struct HeadScales {
 // `factor` into out[m * out_stride]. Only the first half of each rotary row is read: in the rotate-half convention
 // both halves hold the same angles.
 template <int64_t kDim>
-inline void rotate_and_score(const Vec16* key, const float* c, const float* n, const float* q, int64_t rows,
+inline void rotate_and_score(const Vec* key, const float* c, const float* n, const float* q, int64_t rows,
                              float* out, int64_t out_stride, float factor) {
   constexpr int64_t kBlocks = kDim / kLanes, kHalf = kBlocks / 2;
-  Vec16 rotated[kBlocks];
+  Vec rotated[kBlocks];
   for (int64_t b = 0; b < kHalf; ++b) {
-    const Vec16 low = key[b], high = key[b + kHalf];
-    const Vec16 cb = load(c + b * kLanes), sb = load(n + b * kLanes);
+    const Vec low = key[b], high = key[b + kHalf];
+    const Vec cb = load(c + b * kLanes), sb = load(n + b * kLanes);
     rotated[b] = low * cb - high * sb;
     rotated[b + kHalf] = high * cb + low * sb;
   }
   for (int64_t m = 0; m < rows; ++m) {
     const float* qm = q + m * kDim;
-    Vec16 acc = rotated[0] * load(qm);
+    Vec acc = rotated[0] * load(qm);
     for (int64_t b = 1; b < kBlocks; ++b) acc += rotated[b] * load(qm + b * kLanes);
     out[m * out_stride] = horizontal_sum(acc) * factor;
   }
 }
 
-// head_dim a multiple of 32 (both rotary halves whole vectors), known at compile time.
+// head_dim a multiple of two vectors (both rotary halves whole vectors: 32 floats with AVX-512), known at compile time.
 template <int64_t kDim>
 void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
                               const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                               int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                               float scaling) {
   constexpr int64_t kBlocks = kDim / kLanes;
-  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
-  Vec16 mean_blocks[kBlocks];
+  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
+  Vec mean_blocks[kBlocks];
   for (int64_t b = 0; b < kBlocks; ++b) mean_blocks[b] = load(mean + b * kLanes);
   constexpr int64_t kLineFloats = 64 / sizeof(float);
   for (int64_t t = begin; t < end; ++t) {
@@ -139,7 +147,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
         for (int64_t offset = 0; offset < kDim; offset += kLineFloats) __builtin_prefetch(row + offset);
       }
     }
-    Vec16 key[kBlocks];
+    Vec key[kBlocks];
     for (int64_t b = 0; b < kBlocks; ++b) key[b] = mean_blocks[b];
     for (int64_t s = 0; s < stages; ++s) {
       const float* row = table + (s * codebook_size + token_codes[s]) * kDim;
@@ -162,7 +170,7 @@ constexpr int64_t kConditionalTileTokens = 1024;
 
 template <int64_t kDim>
 inline void add_source_rows(const float* slice, const float* source_mean, const uint8_t* token_codes, int64_t stages,
-                            int64_t codebook_size, Vec16* part) {
+                            int64_t codebook_size, Vec* part) {
   constexpr int64_t kBlocks = kDim / kLanes;
   for (int64_t b = 0; b < kBlocks; ++b) part[b] = load(source_mean + b * kLanes);
   for (int64_t s = 0; s < stages; ++s) {
@@ -189,7 +197,7 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
                              float* partial, bool keep_keys) {
   constexpr int64_t kBlocks = kDim / kLanes;
-  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
+  static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
   const int64_t slice_floats = table_rows * kDim;
   const float* block = table;  // source j's slices (j, j..H-1) follow one another
   for (int64_t j = 0; j <= h; ++j) {
@@ -201,21 +209,21 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
       if (t + kPrefetchDistance < end) {
         prefetch_source_rows<kDim>(slice, source_codes + (t + kPrefetchDistance) * stages, stages, codebook_size);
       }
-      Vec16 part[kBlocks];
+      Vec part[kBlocks];
       add_source_rows<kDim>(slice, source_mean, source_codes + t * stages, stages, codebook_size, part);
       float* keep = partial + (t - begin) * kDim;
       const float factor = scale[t];
       if (j < h) {
         for (int64_t b = 0; b < kBlocks; ++b) {
-          Vec16* target = reinterpret_cast<Vec16*>(keep + b * kLanes);
-          *target = (j == 0 ? Vec16{} : *target) + factor * part[b];
+          Vec* target = reinterpret_cast<Vec*>(keep + b * kLanes);
+          *target = (j == 0 ? Vec{} : *target) + factor * part[b];
         }
         continue;
       }
-      Vec16 key[kBlocks];
-      for (int64_t b = 0; b < kBlocks; ++b) key[b] = factor * part[b] + (h == 0 ? Vec16{} : load(keep + b * kLanes));
+      Vec key[kBlocks];
+      for (int64_t b = 0; b < kBlocks; ++b) key[b] = factor * part[b] + (h == 0 ? Vec{} : load(keep + b * kLanes));
       if (keep_keys) {
-        for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec16*>(keep + b * kLanes) = key[b];
+        for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(keep + b * kLanes) = key[b];
       }
       rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q + h * rows * kDim, rows,
                              out + h * rows * out_stride + t, out_stride, scaling);
@@ -256,14 +264,14 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales
 
 void check(bool condition, const char* message) { TORCH_CHECK(condition, "hf_kvcodecs cpu_native: ", message); }
 
-// Row reductions in 16 lanes: vectorized (a plain float loop is one dependency chain) and, for the sum, 16 partial
-// sums rather than one, so the rounding error grows like a blocked sum's, as in ATen's sum.
+// Row reductions in kLanes lanes: vectorized (a plain float loop is one dependency chain) and, for the sum, kLanes
+// partial sums rather than one, so the rounding error grows like a blocked sum's, as in ATen's sum.
 float row_max(const float* x, int64_t n) {
-  Vec16 lanes = {};
+  Vec lanes = {};
   lanes -= std::numeric_limits<float>::infinity();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const Vec16 v = load(x + i);
+    const Vec v = load(x + i);
     lanes = v > lanes ? v : lanes;
   }
   float peak = -std::numeric_limits<float>::infinity();
@@ -273,7 +281,7 @@ float row_max(const float* x, int64_t n) {
 }
 
 float row_sum(const float* x, int64_t n) {
-  Vec16 lanes = {};
+  Vec lanes = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) lanes += load(x + i);
   float total = horizontal_sum(lanes);
@@ -405,9 +413,9 @@ template <int64_t kDim, int64_t kRows>
 void weighted_key_sums(const float* weights, int64_t weight_stride, const float* keys, int64_t n, float* sums,
                        int64_t sums_stride) {
   constexpr int64_t kBlocks = kDim / kLanes;
-  Vec16 acc[kRows][kBlocks] = {};
+  Vec acc[kRows][kBlocks] = {};
   for (int64_t t = 0; t < n; ++t) {
-    Vec16 key[kBlocks];
+    Vec key[kBlocks];
     for (int64_t b = 0; b < kBlocks; ++b) key[b] = load(keys + t * kDim + b * kLanes);
     for (int64_t r = 0; r < kRows; ++r) {
       const float w = weights[r * weight_stride + t];
@@ -415,7 +423,7 @@ void weighted_key_sums(const float* weights, int64_t weight_stride, const float*
     }
   }
   for (int64_t r = 0; r < kRows; ++r) {
-    for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec16*>(sums + r * sums_stride + b * kLanes) = acc[r][b];
+    for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(sums + r * sums_stride + b * kLanes) = acc[r][b];
   }
 }
 
@@ -1046,9 +1054,9 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             // scores[k] = <r, c_k> - |c_k|^2 / 2, 16 codewords at a time with their sums in one register
             int64_t first_tail = 0;
             for (; first_tail + kLanes <= size; first_tail += kLanes) {
-              Vec16 acc = -load(half + first_tail);
+              Vec acc = -load(half + first_tail);
               for (int64_t j = 0; j < group_dim; ++j) acc += r[j] * load(book_t + j * size + first_tail);
-              *reinterpret_cast<Vec16*>(scores.data() + first_tail) = acc;
+              *reinterpret_cast<Vec*>(scores.data() + first_tail) = acc;
             }
             for (int64_t k = first_tail; k < size; ++k) {
               float score = -half[k];
