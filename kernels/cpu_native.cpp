@@ -22,7 +22,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 #include <torch/library.h>
@@ -1051,7 +1051,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             const float* r = residual.data() + b * group_dim;
             float r_energy = 0.f;
             for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
-            // scores[k] = <r, c_k> - |c_k|^2 / 2, 16 codewords at a time with their sums in one register
+            // scores[k] = <r, c_k> - |c_k|^2 / 2, kLanes codewords at a time with their sums in one register
             int64_t first_tail = 0;
             for (; first_tail + kLanes <= size; first_tail += kLanes) {
               Vec acc = -load(half + first_tail);
@@ -1087,6 +1087,19 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
               const __m512 s = _mm512_loadu_ps(scores.data() + k);
               const __m512 error = _mm512_sub_ps(energy_v, _mm512_add_ps(s, s));
               __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[width - 1]), _CMP_LT_OQ);
+              while (below) {
+                offer(k + __builtin_ctz(below));
+                below &= below - 1;
+              }
+            }
+#elif defined(__AVX__)
+            // the same, 8 at a time
+            const __m256 energy_v = _mm256_set1_ps(r_energy);
+            for (; k + 8 <= size; k += 8) {
+              const __m256 s = _mm256_loadu_ps(scores.data() + k);
+              const __m256 error = _mm256_sub_ps(energy_v, _mm256_add_ps(s, s));
+              unsigned below = _mm256_movemask_ps(
+                  _mm256_cmp_ps(error, _mm256_set1_ps(best_error[width - 1]), _CMP_LT_OQ));
               while (below) {
                 offer(k + __builtin_ctz(below));
                 below &= below - 1;
