@@ -15,6 +15,8 @@ Larger query blocks (prefill) go to the reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -22,20 +24,40 @@ from . import reference
 from .cpu_native import native_ops
 
 CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogram sources) whatever the context
+# The tables the compiled loops rebuild pre-RoPE keys from are read at random, one 64-float row per stage and key, and
+# their time is the time those rows take to arrive: float16 rows (the loops widen them to float32) halve the bytes.
+# On an AVX2 CPU with 512 KB of L2 per core (a head's float32 table is 1 MB) the key loop ran 1.5-1.7x faster at
+# 4K tokens; each row's rounding (relative 2^-11) is far below the keys' quantization error.
+KEY_TABLE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def native_key_table_dtype() -> torch.dtype:
+    """The dtype of the key tables the compiled loops read: float16 unless ``HF_KVCODECS_KEY_TABLE=float32`` (the
+    loops then match the PyTorch reference to float32 rounding, at the cost of reading twice the bytes)."""
+    name = os.environ.get("HF_KVCODECS_KEY_TABLE", "float16")
+    if name not in KEY_TABLE_DTYPES:
+        raise ValueError(f"HF_KVCODECS_KEY_TABLE={name!r} is not a key table dtype; use one of "
+                         f"{sorted(KEY_TABLE_DTYPES)} (or unset it for float16).")
+    return KEY_TABLE_DTYPES[name]
+
 CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for keys coded conditionally across heads is built for
 MAX_CONDITIONAL_HEADS = 16
 
 
-def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
+def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[H, S*K, D]``: row ``s*K + k`` of head ``h`` is codeword ``k`` of stage ``s``, placed in its group, times
-    ``synthesis[h]`` (``[Dt, D]``); a key is then ``scale * (mean + sum of S rows)``."""
+    ``synthesis[h]`` (``[Dt, D]``), computed in float32 and stored in ``dtype``; a key is then ``scale * (mean + sum
+    of S rows)``."""
     stages, size, group_dim = codebooks.shape
     heads, transform_dim, dim = synthesis.shape
     rows = synthesis.reshape(heads, transform_dim // group_dim, group_dim, dim)[:, stage_groups.long()]  # [H, S, g, D]
-    return torch.einsum("skg,hsgd->hskd", codebooks.float(), rows.float()).reshape(heads, stages * size, dim).contiguous()
+    table = torch.einsum("skg,hsgd->hskd", codebooks.float(), rows.float()).reshape(heads, stages * size, dim)
+    return table.to(dtype).contiguous()
 
 
-def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor) -> torch.Tensor:
+def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The flat table the compiled loop reads keys coded conditionally across heads from (operands as
     ``ConditionalHeadResidualVQ.attention_operands``: synthesis ``[H, H, D, D]``, codebooks ``[H, S, K, g]``, groups
     ``[H, S]``): slices ``(j, h)`` for ``j = 0..H-1``, ``h = j..H-1`` one after another, each ``[S*K, D]``, row
@@ -44,7 +66,7 @@ def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stag
     heads = synthesis.shape[0]
     blocks = []
     for source in range(heads):
-        onward = folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source])  # [H-j, S*K, D]
+        onward = folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source], dtype)
         blocks.append(onward.reshape(-1))
     return torch.cat(blocks).contiguous()
 
@@ -86,7 +108,7 @@ def coded_attention_cpu(
     if positions is not None and native is not None:
         fold = conditional_key_table if conditional else folded_key_table
         if key_table is None:
-            key_table = fold(key_synthesis, key_codebooks, key_stage_groups)
+            key_table = fold(key_synthesis, key_codebooks, key_stage_groups, native_key_table_dtype())
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
         prediction = None
@@ -119,7 +141,7 @@ def coded_attention_cpu(
         table_rows = key_table.shape[1]  # may hold more stages than these codes use (lower rates are prefixes)
         stage_offsets = torch.arange(key_stages, device=key_codes.device) * size
         head_offsets = (torch.arange(kv_heads, device=key_codes.device) * table_rows)[None, :, None, None]
-        flat_table = key_table.reshape(-1, dim)
+        flat_table = key_table.float().reshape(-1, dim)  # given in the compiled loops' dtype when they exist
         mean = key_mean.float()[None, :, None, :]
         scores = torch.empty(batch, kv_heads, rows, tokens, device=query.device)
         for start in range(0, tokens, CHUNK_TOKENS):  # at most CHUNK_TOKENS keys per head exist at once
@@ -197,7 +219,7 @@ def prerope_decode_attention(
         value_scales = value_scales.float()
     no_tokens = q.new_empty(batch, kv_heads, 0, dim)
     out, lse = native.decode_attention(
-        q, key_codes.contiguous(), key_scales.contiguous(), key_scale_levels, key_table.float().contiguous(),
+        q, key_codes.contiguous(), key_scales.contiguous(), key_scale_levels, _loop_table(key_table),
         key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), codebook_size,
         value_codes.contiguous(), value_scales.contiguous(), value_scale_levels, value_codebooks.float().contiguous(),
         value_stage_groups.long().contiguous(), value_mean.float().contiguous(), value_synthesis.float().contiguous(),
@@ -209,6 +231,13 @@ def prerope_decode_attention(
         **({} if value_predictor is None else {"value_predictor": value_predictor.float().contiguous()}),
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
+
+
+def _loop_table(key_table: torch.Tensor) -> torch.Tensor:
+    """The key table as the compiled loops read it: contiguous float16 or float32 (other dtypes widened)."""
+    if key_table.dtype not in (torch.float16, torch.float32):
+        key_table = key_table.float()
+    return key_table.contiguous()
 
 
 def _prediction_operands(value_prediction) -> tuple:

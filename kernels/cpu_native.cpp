@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -95,6 +96,28 @@ void exp_shifted(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = std::exp(x[i] - shift);
 }
 
+// The key tables' rows are float32 or float16 (kernels/cpu.py decides): a row as float lanes either way.
+inline Vec load_row(const float* p) { return load(p); }
+inline Vec load_row(const at::Half* p) {
+#if defined(__AVX512F__)
+  return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  static_assert(kLanes == 8, "F16C converts 8 halves at a time");
+  return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  Vec v;
+  for (int64_t l = 0; l < kLanes; ++l) v[l] = static_cast<float>(p[l]);
+  return v;
+#endif
+}
+
+// Prefetches a table row: one request per cache line.
+template <int64_t kDim, typename Table>
+inline void prefetch_row(const Table* row) {
+  constexpr int64_t kLineElements = 64 / sizeof(Table);
+  for (int64_t offset = 0; offset < kDim; offset += kLineElements) __builtin_prefetch(row + offset);
+}
+
 // The per-token scales of one (batch, head): float values, or 8-bit indices into the head's table of levels (how the
 // cache stores them; looking them up here saves a gather and an index conversion per layer and step).
 struct HeadScales {
@@ -127,8 +150,8 @@ inline void rotate_and_score(const Vec* key, const float* c, const float* n, con
 }
 
 // head_dim a multiple of two vectors (both rotary halves whole vectors: 32 floats with AVX-512), known at compile time.
-template <int64_t kDim>
-void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
+template <int64_t kDim, typename Table>
+void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadScales& scales, const Table* table,
                               const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                               int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                               float scaling) {
@@ -136,23 +159,19 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
   Vec mean_blocks[kBlocks];
   for (int64_t b = 0; b < kBlocks; ++b) mean_blocks[b] = load(mean + b * kLanes);
-  constexpr int64_t kLineFloats = 64 / sizeof(float);
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* token_codes = codes + t * stages;
     // The per-layer tables do not stay in cache between decode steps and rows are read at random: ask for the
     // rows of a token a few tokens ahead so their memory latency overlaps with this token's arithmetic.
     if (t + kPrefetchDistance < end) {
       const uint8_t* ahead = codes + (t + kPrefetchDistance) * stages;
-      for (int64_t s = 0; s < stages; ++s) {
-        const float* row = table + (s * codebook_size + ahead[s]) * kDim;
-        for (int64_t offset = 0; offset < kDim; offset += kLineFloats) __builtin_prefetch(row + offset);
-      }
+      for (int64_t s = 0; s < stages; ++s) prefetch_row<kDim>(table + (s * codebook_size + ahead[s]) * kDim);
     }
     Vec key[kBlocks];
     for (int64_t b = 0; b < kBlocks; ++b) key[b] = mean_blocks[b];
     for (int64_t s = 0; s < stages; ++s) {
-      const float* row = table + (s * codebook_size + token_codes[s]) * kDim;
-      for (int64_t b = 0; b < kBlocks; ++b) key[b] += load(row + b * kLanes);
+      const Table* row = table + (s * codebook_size + token_codes[s]) * kDim;
+      for (int64_t b = 0; b < kBlocks; ++b) key[b] += load_row(row + b * kLanes);
     }
     rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
   }
@@ -162,47 +181,45 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
 // token t is sum over source heads j <= h of scale_j[t] * (mean[j, h] + the S rows of slice (j, h)). Slice (j, h) of
 // the table is [R, D]: codeword rows of source head j with their contribution to head h folded in, so a key is rebuilt
 // from S rows per source head with no matrix product. The loop runs one target head at a time over a tile of tokens
-// and one source head at a time within it, so that the rows it reads at random come from one slice (R * D floats,
-// 1 MB for the default model: it stays in L2 across the tile) instead of all H (H+1) / 2 slices at once (6 MB, read
-// from L3: 3.9x the per-head loop's time at 4K tokens). Sources before h add into a tile of partial keys; the last
-// source, h itself, completes each key in registers, which is then rotated and dotted with head h's query rows.
+// and one source head at a time within it, so that the rows it reads at random come from one slice (R * D values,
+// 1 MB in float32 for the default model, 0.5 MB in float16: it stays in L2 across the tile on most CPUs) instead of
+// all H (H+1) / 2 slices at once (6 MB, read from L3: 3.9x the per-head loop's time at 4K tokens). Sources before h
+// add into a tile of partial keys; the last source, h itself, completes each key in registers, which is then rotated
+// and dotted with head h's query rows.
 constexpr int64_t kMaxConditionalHeads = 16;
 constexpr int64_t kConditionalTileTokens = 1024;
 
-template <int64_t kDim>
-inline void add_source_rows(const float* slice, const float* source_mean, const uint8_t* token_codes, int64_t stages,
+template <int64_t kDim, typename Table>
+inline void add_source_rows(const Table* slice, const float* source_mean, const uint8_t* token_codes, int64_t stages,
                             int64_t codebook_size, Vec* part) {
   constexpr int64_t kBlocks = kDim / kLanes;
   for (int64_t b = 0; b < kBlocks; ++b) part[b] = load(source_mean + b * kLanes);
   for (int64_t s = 0; s < stages; ++s) {
-    const float* row = slice + (s * codebook_size + token_codes[s]) * kDim;
-    for (int64_t b = 0; b < kBlocks; ++b) part[b] += load(row + b * kLanes);
+    const Table* row = slice + (s * codebook_size + token_codes[s]) * kDim;
+    for (int64_t b = 0; b < kBlocks; ++b) part[b] += load_row(row + b * kLanes);
   }
 }
 
-template <int64_t kDim>
-inline void prefetch_source_rows(const float* slice, const uint8_t* token_codes, int64_t stages, int64_t codebook_size) {
-  constexpr int64_t kLineFloats = 64 / sizeof(float);
-  for (int64_t s = 0; s < stages; ++s) {
-    const float* row = slice + (s * codebook_size + token_codes[s]) * kDim;
-    for (int64_t offset = 0; offset < kDim; offset += kLineFloats) __builtin_prefetch(row + offset);
-  }
+template <int64_t kDim, typename Table>
+inline void prefetch_source_rows(const Table* slice, const uint8_t* token_codes, int64_t stages,
+                                 int64_t codebook_size) {
+  for (int64_t s = 0; s < stages; ++s) prefetch_row<kDim>(slice + (s * codebook_size + token_codes[s]) * kDim);
 }
 
 // Target head h of tokens [begin, end); `partial` holds (end - begin) * kDim floats of scratch, which ends holding
 // head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`.
-template <int64_t kDim>
-void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const float* table,
+template <int64_t kDim, typename Table>
+void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
                              const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                              int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
                              float* partial, bool keep_keys) {
   constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
-  const int64_t slice_floats = table_rows * kDim;
-  const float* block = table;  // source j's slices (j, j..H-1) follow one another
+  const int64_t slice_elements = table_rows * kDim;
+  const Table* block = table;  // source j's slices (j, j..H-1) follow one another
   for (int64_t j = 0; j <= h; ++j) {
-    const float* slice = block + (h - j) * slice_floats;
+    const Table* slice = block + (h - j) * slice_elements;
     const float* source_mean = mean + (j * heads + h) * kDim;
     const uint8_t* source_codes = codes + j * tokens * stages;
     const HeadScales& scale = scales[j];
@@ -229,12 +246,13 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
       rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q + h * rows * kDim, rows,
                              out + h * rows * out_stride + t, out_stride, scaling);
     }
-    block += (heads - j) * slice_floats;
+    block += (heads - j) * slice_elements;
   }
 }
 
 // Any even head_dim up to kMaxHeadDim.
-void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const float* table,
+template <typename Table>
+void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const Table* table,
                           const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                           int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                           float scaling, int64_t dim) {
@@ -245,8 +263,8 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales
     const uint8_t* token_codes = codes + t * stages;
     for (int64_t d = 0; d < dim; ++d) key[d] = mean[d];
     for (int64_t s = 0; s < stages; ++s) {
-      const float* row = table + (s * codebook_size + token_codes[s]) * dim;
-      for (int64_t d = 0; d < dim; ++d) key[d] += row[d];
+      const Table* row = table + (s * codebook_size + token_codes[s]) * dim;
+      for (int64_t d = 0; d < dim; ++d) key[d] += static_cast<float>(row[d]);
     }
     const float* c = cos + t * dim;
     const float* n = sin + t * dim;
@@ -322,9 +340,25 @@ void check_rotary_and_scores(const at::Tensor& cos, const at::Tensor& sin, int64
   check(out_stride >= tokens, "score rows shorter than the coded tokens");
 }
 
+void check_key_table(const at::Tensor& table) {
+  check((table.scalar_type() == at::kFloat || table.scalar_type() == at::kHalf) && table.is_contiguous() &&
+            table.device().is_cpu(),
+        "the key table must be contiguous float32 or float16 on CPU");
+}
+
+// Calls body(pointer to the table's first row) with the table's element type (float or at::Half).
+template <typename Body>
+void with_table_rows(const at::Tensor& table, const Body& body) {
+  if (table.scalar_type() == at::kHalf) {
+    body(table.const_data_ptr<at::Half>());
+  } else {
+    body(table.const_data_ptr<float>());
+  }
+}
+
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
-// table [H, R, D] f32 (R >= S * K);
+// table [H, R, D] f32 or f16 (R >= S * K);
 // mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
 void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
@@ -337,7 +371,7 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
           "float tensors must be contiguous float32 on CPU");
   }
-  check(table.scalar_type() == at::kFloat && table.is_contiguous(), "the key table must be contiguous float32");
+  check_key_table(table);
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
@@ -370,17 +404,19 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
       const float* cosi = cosp + b * tokens * dim;
       const float* sini = sinp + b * tokens * dim;
       float* oi = op + bh * rows * out_stride;
-      const float* ti = table.const_data_ptr<float>() + h * table_rows * dim;
-      if (dim == 64) {
-        prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                                     begin, end, scale);
-      } else if (dim == 128) {
-        prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                                      begin, end, scale);
-      } else {
-        prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size, begin, end,
-                             scale, dim);
-      }
+      with_table_rows(table, [&](const auto* rows_begin) {
+        const auto* ti = rows_begin + h * table_rows * dim;
+        if (dim == 64) {
+          prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                       begin, end, scale);
+        } else if (dim == 128) {
+          prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                        begin, end, scale);
+        } else {
+          prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size, begin,
+                               end, scale, dim);
+        }
+      });
     }
   });
 }
@@ -443,8 +479,8 @@ void weighted_key_sums_rows(const float* weights, int64_t weight_stride, const f
 
 // One whole tile (every target head) of the fused loop: scores, then per query row its masks, peak and weights, then
 // the weighted sums of every head's keys, kept in `keys` ([H, tile_tokens, kDim] scratch).
-template <int64_t kDim>
-void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const HeadScales* scales, const float* table,
+template <int64_t kDim, typename Table>
+void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
                                     const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                                     int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                                     int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end,
@@ -478,8 +514,8 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
 }
 
 // Conditional keys: q [B, H, M, D] f32 (D 64 or 128); codes [B, H, N, S] u8; scales [B, H, N] f32 (or u8 with
-// scale_levels [H, 256] f32); table flat f32, slices (j, h) for j = 0..H-1, h = j..H-1 in that order, each [R, D]
-// (R >= S * K); mean [H, H*D] f32;
+// scale_levels [H, 256] f32); table flat f32 or f16, slices (j, h) for j = 0..H-1, h = j..H-1 in that order, each
+// [R, D] (R >= S * K); mean [H, H*D] f32;
 // cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]; with `key_sums`, the
 // fused loop for values coded given the keys (ConditionalKeySums).
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
@@ -489,10 +525,11 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
                              const ConditionalKeySums* key_sums = nullptr) {
   check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks for conditional keys");
-  for (const auto* t : {&q, &table, &mean, &cos, &sin}) {
+  for (const auto* t : {&q, &mean, &cos, &sin}) {
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
           "float tensors must be contiguous float32 on CPU");
   }
+  check_key_table(table);
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
@@ -509,61 +546,64 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   const int64_t tiles = (tokens + kConditionalTileTokens - 1) / kConditionalTileTokens;
   const float* qp = q.const_data_ptr<float>();
   const uint8_t* cp = codes.const_data_ptr<uint8_t>();
-  const float* tp = table.const_data_ptr<float>();
   const float* mp = mean.const_data_ptr<float>();
   const float* cosp = cos.const_data_ptr<float>();
   const float* sinp = sin.const_data_ptr<float>();
   const float scale = static_cast<float>(scaling);
-  if (key_sums != nullptr) {
-    const int64_t tile_tokens = key_sums->tile_tokens;
-    const int64_t tiles = (tokens + tile_tokens - 1) / tile_tokens;
-    const int64_t all_rows = heads * rows;
-    at::parallel_for(0, batch * tiles, 1, [&](int64_t first, int64_t last) {
+  with_table_rows(table, [&](const auto* tp) {
+    using Table = std::remove_const_t<std::remove_pointer_t<decltype(tp)>>;
+    if (key_sums != nullptr) {
+      const int64_t tile_tokens = key_sums->tile_tokens;
+      const int64_t tiles = (tokens + tile_tokens - 1) / tile_tokens;
+      const int64_t all_rows = heads * rows;
+      at::parallel_for(0, batch * tiles, 1, [&](int64_t first, int64_t last) {
+        HeadScales head_scale[kMaxConditionalHeads];
+        std::unique_ptr<float[]> keys(new float[heads * tile_tokens * dim]);  // scratch: written before it is read
+        for (int64_t item = first; item < last; ++item) {
+          const int64_t b = item / tiles, tile = item % tiles;
+          const int64_t begin = tile * tile_tokens, end = std::min(tokens, begin + tile_tokens);
+          for (int64_t j = 0; j < heads; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
+          const float* mask = key_sums->coded_mask == nullptr
+                                  ? nullptr
+                                  : key_sums->coded_mask + b * key_sums->query_length * tokens;
+          float* peaks = key_sums->tile_peaks + item * all_rows;
+          float* sums = key_sums->key_sums + item * all_rows * heads * dim;
+          const auto run =
+              dim == 64 ? conditional_tile_with_key_sums<64, Table> : conditional_tile_with_key_sums<128, Table>;
+          run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, mp,
+              cosp + b * tokens * dim, sinp + b * tokens * dim, op + b * heads * rows * out_stride, heads, rows,
+              out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
+              peaks, sums);
+        }
+      });
+      return;
+    }
+    // Items in (batch, tile, target head) order: head h costs h + 1 slice passes, and parallel_for hands each thread
+    // one contiguous range, so ranges of whole tiles carry equal work (head-major order gave one of two threads twice
+    // the other's). A tile reads most rows of every slice it needs anyway, so which item ran before barely matters.
+    at::parallel_for(0, batch * tiles * heads, 1, [&](int64_t first, int64_t last) {
       HeadScales head_scale[kMaxConditionalHeads];
-      std::unique_ptr<float[]> keys(new float[heads * tile_tokens * dim]);  // scratch: written before it is read
+      // scratch only: the first source writes each partial key before anything reads it, so it is left uninitialized
+      // (a zeroed vector cost a 256-512 KB memset per layer call); one head alone never uses it
+      std::unique_ptr<float[]> partial(heads > 1 ? new float[kConditionalTileTokens * dim] : nullptr);
       for (int64_t item = first; item < last; ++item) {
-        const int64_t b = item / tiles, tile = item % tiles;
-        const int64_t begin = tile * tile_tokens, end = std::min(tokens, begin + tile_tokens);
-        for (int64_t j = 0; j < heads; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
-        const float* mask = key_sums->coded_mask == nullptr
-                                ? nullptr
-                                : key_sums->coded_mask + b * key_sums->query_length * tokens;
-        float* peaks = key_sums->tile_peaks + item * all_rows;
-        float* sums = key_sums->key_sums + item * all_rows * heads * dim;
-        const auto run = dim == 64 ? conditional_tile_with_key_sums<64> : conditional_tile_with_key_sums<128>;
-        run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, mp,
-            cosp + b * tokens * dim, sinp + b * tokens * dim, op + b * heads * rows * out_stride, heads, rows,
-            out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
-            peaks, sums);
+        const int64_t b = item / (tiles * heads), tile = item / heads % tiles, h = item % heads;
+        const int64_t begin = tile * kConditionalTileTokens, end = std::min(tokens, begin + kConditionalTileTokens);
+        for (int64_t j = 0; j <= h; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
+        const float* qi = qp + b * heads * rows * dim;
+        const uint8_t* ci = cp + b * heads * tokens * stages;
+        const float* cosi = cosp + b * tokens * dim;
+        const float* sini = sinp + b * tokens * dim;
+        float* oi = op + b * heads * rows * out_stride;
+        if (dim == 64) {
+          conditional_scores_tile<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
+                                      stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
+        } else {
+          conditional_scores_tile<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
+                                       stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
+        }
       }
     });
-    return;
-  }
-  // Items in (batch, tile, target head) order: head h costs h + 1 slice passes, and parallel_for hands each thread
-  // one contiguous range, so ranges of whole tiles carry equal work (head-major order gave one of two threads twice
-  // the other's). A tile reads most rows of every slice it needs anyway, so which item ran before barely matters.
-  at::parallel_for(0, batch * tiles * heads, 1, [&](int64_t first, int64_t last) {
-    HeadScales head_scale[kMaxConditionalHeads];
-    // scratch only: the first source writes each partial key before anything reads it, so it is left uninitialized
-    // (a zeroed vector cost a 256-512 KB memset per layer call); one head alone never uses it
-    std::unique_ptr<float[]> partial(heads > 1 ? new float[kConditionalTileTokens * dim] : nullptr);
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t b = item / (tiles * heads), tile = item / heads % tiles, h = item % heads;
-      const int64_t begin = tile * kConditionalTileTokens, end = std::min(tokens, begin + kConditionalTileTokens);
-      for (int64_t j = 0; j <= h; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
-      const float* qi = qp + b * heads * rows * dim;
-      const uint8_t* ci = cp + b * heads * tokens * stages;
-      const float* cosi = cosp + b * tokens * dim;
-      const float* sini = sinp + b * tokens * dim;
-      float* oi = op + b * heads * rows * out_stride;
-      if (dim == 64) {
-        conditional_scores_tile<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                    stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
-      } else {
-        conditional_scores_tile<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                     stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
-      }
-    }
   });
 }
 
@@ -579,30 +619,40 @@ struct WeightSource {
 
 // The histogram's query rows padded to a whole number of L-float vectors: one token then adds into a bin with
 // `padded / L` vector read-modify-writes instead of `rows` scalar ones (9 rows, joint-head values: one AVX-512 add).
-// Adds the tokens of stages [first_stage, last_stage); the weight sum only when asked.
+// The weights of all tokens are formed first ([tokens, padded], zero in the padding), then each stage in
+// [first_stage, last_stage) runs over all tokens: its bins (K x padded floats, 16 KB for 256 codewords and 16 lanes)
+// stay in L1 while the weights stream past in order. Token by token, each token's adds spread over every stage's
+// bins (737 KB for the default model's 45 value stages), more than a 512 KB L2 holds: 2-3x slower on such a CPU.
+// Adds the weight sum only when asked.
 template <int64_t L>
 void histogram_stages(const WeightSource& source, const uint8_t* codes, float* histogram, float* weight_sum,
                       int64_t padded, int64_t tokens, int64_t stages, int64_t codebook_size, int64_t first_stage,
                       int64_t last_stage) {
-  typedef float VecL __attribute__((vector_size(4 * L), aligned(4)));
-  const int64_t chunks = padded / L, rows = source.heads * source.rows;
-  std::vector<float> weight(padded, 0.f);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t h = 0; h < source.heads; ++h) {
-      const float scale = source.scales[h][t];
-      const float* p = source.probabilities + h * source.head_stride + t;
-      for (int64_t m = 0; m < source.rows; ++m) weight[h * source.rows + m] = p[m * source.row_stride] * scale;
+  // Adds a register at a time: GCC moved a vector wider than a register through the stack in 16-byte pieces.
+  constexpr int64_t R = L < kLanes ? L : kLanes;
+  typedef float VecR __attribute__((vector_size(4 * R), aligned(4)));
+  const int64_t chunks = padded / R, rows = source.heads * source.rows;
+  std::vector<float> weights(tokens * padded, 0.f);
+  for (int64_t h = 0; h < source.heads; ++h) {
+    const HeadScales& scale = source.scales[h];
+    for (int64_t m = 0; m < source.rows; ++m) {
+      const float* p = source.probabilities + h * source.head_stride + m * source.row_stride;
+      float* column = weights.data() + h * source.rows + m;
+      for (int64_t t = 0; t < tokens; ++t) column[t * padded] = p[t] * scale[t];
     }
-    if (weight_sum != nullptr) {
-      for (int64_t m = 0; m < rows; ++m) weight_sum[m] += weight[m];
+  }
+  if (weight_sum != nullptr) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t m = 0; m < rows; ++m) weight_sum[m] += weights[t * padded + m];
     }
-    const uint8_t* token_codes = codes + t * stages;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const VecL w = *reinterpret_cast<const VecL*>(weight.data() + c * L);
-      for (int64_t s = first_stage; s < last_stage; ++s) {
-        VecL* counts = reinterpret_cast<VecL*>(histogram + (s * codebook_size + token_codes[s]) * padded + c * L);
-        *counts += w;
-      }
+  }
+  for (int64_t s = first_stage; s < last_stage; ++s) {
+    float* bins = histogram + s * codebook_size * padded;
+    const uint8_t* stage_codes = codes + s;
+    for (int64_t t = 0; t < tokens; ++t) {
+      VecR* counts = reinterpret_cast<VecR*>(bins + stage_codes[t * stages] * padded);
+      const VecR* w = reinterpret_cast<const VecR*>(weights.data() + t * padded);
+      for (int64_t c = 0; c < chunks; ++c) counts[c] += w[c];
     }
   }
 }

@@ -98,7 +98,8 @@ def coded_attention(
 
     Optional precomputed inputs, used by the implementations they speed up and ignored by the others:
     ``key_table`` (``[Hkv, S'*K, D]``, ``S' >= S``: the codebooks times each head's synthesis matrix,
-    ``cpu.folded_key_table``; for conditional keys the flat ``cpu.conditional_key_table``) and
+    ``cpu.folded_key_table``; for conditional keys the flat ``cpu.conditional_key_table``; float32, or float16 where
+    the compiled CPU loops read it, ``cpu.native_key_table_dtype()``) and
     ``rotary_cos``/``rotary_sin`` (``[B, N, D]``, scaled, for the coded tokens' positions, in transformers'
     rotate-half layout where both halves of a row are equal: the same for every layer of a step, so the cache
     computes them once).

@@ -89,8 +89,9 @@ def op_arguments(problem):
     return args[:13] + [None, None, None] + args[13:]
 
 
-def dequantize_then_attend(problem, dtype):
-    """Plain PyTorch: decode every coded vector in ``dtype``, rotate, and attend in ``dtype``."""
+def dequantize_then_attend(problem, dtype, key_dtype=None):
+    """Plain PyTorch: decode every coded vector in ``dtype``, rotate, and attend in ``dtype`` (with ``key_dtype``, the
+    coded keys are rounded to it first)."""
     dequantize_keys = (reference.conditional_dequantize_reference if reference.is_conditional(problem["key_codec"][1])
                        else reference.dequantize_reference)
     keys = dequantize_keys(problem["key_codes"], problem["key_scales"], *problem["key_codec"], torch.float64)
@@ -106,7 +107,7 @@ def dequantize_then_attend(problem, dtype):
         angles = torch.cat([freqs, freqs], dim=-1)
         keys = reference._rotate(keys, angles.cos()[:, None], angles.sin()[:, None])
     query = problem["query"].to(dtype)
-    keys, values = keys.to(dtype), values.to(dtype)
+    keys, values = keys.to(key_dtype or dtype).to(dtype), values.to(dtype)
     group_count = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group_count, 1), values.repeat_interleave(group_count, 1)
     scores = (query @ keys.transpose(-1, -2)).to(torch.float64 if dtype == torch.float64 else dtype) * problem["scaling"]
@@ -287,6 +288,54 @@ def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table
         ("cpu-native-higher-rate-table", lambda: coded_attention_cpu(*with_table)),
         ("op-higher-rate-table", lambda: coded_attention(*with_table)),
     ])
+
+
+def float16_table_problems():
+    """(id, problem) for every shape the compiled loops read a key table in: per-head, joint and conditional keys,
+    GQA, several queries, padding, exact tokens, values coded given the keys."""
+    problems = [(f"shape{i}", make_problem(rope=True, **shape)) for i, shape in enumerate(SHAPES)]
+    problems += [(f"conditional{i}", make_problem(conditional=True, rope=True, **shape))
+                 for i, shape in enumerate(CONDITIONAL_SHAPES[:2])]
+    for keys in ("per-head", "joint", "conditional"):
+        problem = make_problem(rope=True, joint=True if keys == "joint" else "values",
+                               conditional=keys == "conditional", kv_heads=3, group_count=3, tokens=75, dim=64)
+        add_exact_tokens(problem)
+        width = 3 * 64
+        generator = torch.Generator().manual_seed(5)
+        problem["value_predictor"] = torch.randn(width + 1, width, generator=generator) / width**0.5
+        problems.append((f"values-given-{keys}-keys", problem))
+    return problems
+
+
+@needs_compiler
+@pytest.mark.parametrize("index", range(len(SHAPES) + 2 + 3))
+def test_float16_key_tables_stay_within_pytorch_error_with_float16_keys(index, monkeypatch):
+    """The compiled loops with their default float16 key tables against float64 dequantize-then-attend: within twice
+    the error of plain PyTorch holding the dequantized keys in float16 (the tables' dtype; the rest in float32), for
+    outputs and log-sum-exps; and they do round: the float32 tables give a different, closer result."""
+    name, problem = float16_table_problems()[index]
+    truth, truth_lse = dequantize_then_attend(problem, torch.float64)
+    plain, plain_lse = dequantize_then_attend(problem, torch.float32, key_dtype=torch.float16)
+    budget = 2 * (plain - truth).abs().max().item() + 1e-5
+    lse_budget = 2 * (plain_lse - truth_lse).abs().max().item() + 1e-5
+    args = op_arguments(problem)
+    if "exact" in problem:
+        args += list(problem["exact"]) + [None, None, problem.get("value_predictor")]
+    results = {}
+    for table in ("float16", "float32"):
+        monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", table)
+        results[table] = coded_attention(*args)
+    (out, lse), (exact_out, _) = results["float16"], results["float32"]
+    error = (out.double() - truth).abs().max().item()
+    assert error <= budget, (name, error, budget)
+    assert (lse.double() - truth_lse).abs().max().item() <= lse_budget, name
+    assert not torch.equal(out, exact_out) and (exact_out.double() - truth).abs().max().item() <= error, name
+
+
+def test_an_unknown_key_table_dtype_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "bfloat16")
+    with pytest.raises(ValueError, match=r"HF_KVCODECS_KEY_TABLE='bfloat16' is not a key table dtype; use one of"):
+        coded_attention(*op_arguments(make_problem(rope=True)))
 
 
 @pytest.mark.parametrize("keys", ["per-head", "joint", "conditional"])

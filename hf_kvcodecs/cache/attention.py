@@ -14,7 +14,7 @@ import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
-from ..kernels.cpu import conditional_native_supports, prerope_decode_attention
+from ..kernels.cpu import conditional_native_supports, native_key_table_dtype, prerope_decode_attention
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
 
@@ -86,7 +86,7 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     native = _native_loop(layer, query)
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
-        key_table, key_mean = _cpu_key_table(key_codec)
+        key_table, key_mean = _cpu_key_table(key_codec, native_key_table_dtype())
         prediction = predictor = None
         if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
             value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
@@ -110,7 +110,8 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     # compiled loop does, elsewhere the op's reference reads the operands
     wants_table = (pre_rope and on_cpu and _table_loop_fits(key_codec, dim)
                    and (not conditional or native_ops() is not None))
-    key_table = _cpu_key_table(key_codec)[0] if wants_table else None
+    table_dtype = native_key_table_dtype() if native_ops() is not None else torch.float32
+    key_table = _cpu_key_table(key_codec, table_dtype)[0] if wants_table else None
     values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
     out, _ = coded_attention(
         query, layer.key_codes, key_scales, layer.value_codes, value_scales,
@@ -125,11 +126,11 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     return out.to(query.dtype)
 
 
-def _cpu_key_table(key_codec):
-    """(the table the compiled CPU loops rebuild keys from, the key mean they take with it)."""
+def _cpu_key_table(key_codec, dtype: torch.dtype):
+    """(the table the CPU loops rebuild keys from, in ``dtype``, the key mean they take with it)."""
     if isinstance(key_codec, ConditionalHeadResidualVQ):
-        return key_codec.conditional_key_table()
-    return key_codec.folded_table(), key_codec.attention_operands()[0]
+        return key_codec.conditional_key_table(dtype)
+    return key_codec.folded_table(dtype), key_codec.attention_operands()[0]
 
 
 def _scales_and_levels(codec, stored: torch.Tensor, device):

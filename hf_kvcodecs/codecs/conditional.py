@@ -223,16 +223,17 @@ class ConditionalHeadResidualVQ:
         stage_groups = torch.stack([groups for *_, groups in parts])
         return tuple(t.contiguous() for t in (means, synthesis, codebooks, stage_groups))
 
-    def conditional_key_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table, mean) as the compiled CPU attention reads keys (``decode_attention(..., conditional_keys=True)``):
-        ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates read a prefix of every
-        slice) and the mean pairs as ``[H, H*D]``."""
+    def conditional_key_table(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table in ``dtype``, mean) as the compiled CPU attention reads keys (``decode_attention(...,
+        conditional_keys=True)``): ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates
+        read a prefix of every slice) and the mean pairs as ``[H, H*D]`` (float32)."""
         source = self._table_source or self
-        if source._key_table is None or source._key_table[0].device != self.predictors.device:
+        cached = source._key_table
+        if cached is None or cached[0].device != self.predictors.device or cached[0].dtype != dtype:
             from ..kernels.cpu import conditional_key_table
 
             mean, synthesis, codebooks, stage_groups = source._build_operands()  # not kept: the table replaces them
-            source._key_table = (conditional_key_table(synthesis, codebooks, stage_groups),
+            source._key_table = (conditional_key_table(synthesis, codebooks, stage_groups, dtype),
                                  mean.reshape(self.num_heads, -1).contiguous())
         return source._key_table
 

@@ -202,16 +202,17 @@ class JointHeadResidualVQ:
                               inner.codebooks.contiguous(), inner.stage_groups.contiguous())
         return self._operands
 
-    def folded_table(self) -> torch.Tensor:
-        """``[H, S'*K, D]``: each head's slice of every codeword times the synthesis matrix (see
+    def folded_table(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[H, S'*K, D]``: each head's slice of every codeword times the synthesis matrix, in ``dtype`` (see
         :meth:`TransformResidualVQ.folded_table`)."""
         if self._table_source is not None:
-            return self._table_source.folded_table()
-        if self._folded is None or self._folded.device != self.mean.device:
+            return self._table_source.folded_table(dtype)
+        folded = self._folded
+        if folded is None or folded.device != self.mean.device or folded.dtype != dtype:
             from ..kernels.cpu import folded_key_table
 
             _, synthesis, codebooks, stage_groups = self.attention_operands()
-            self._folded = folded_key_table(synthesis, codebooks, stage_groups)
+            self._folded = folded_key_table(synthesis, codebooks, stage_groups, dtype)
         return self._folded
 
     # ---- serialization --------------------------------------------------------------------------------------

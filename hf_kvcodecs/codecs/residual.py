@@ -216,15 +216,17 @@ class TransformResidualVQ:
                               self.stage_groups.contiguous())
         return self._operands
 
-    def folded_table(self) -> torch.Tensor:
+    def folded_table(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[H, S'*K, D]`` codebooks times each head's synthesis matrix (``S' >= num_stages``: shared with the
-        higher-rate codec this one is a prefix of). Built once; the CPU attention reconstructs keys from it."""
+        higher-rate codec this one is a prefix of), in ``dtype``. Built once (per dtype asked last); the CPU attention
+        reconstructs keys from it."""
         if self._table_source is not None:
-            return self._table_source.folded_table()
-        if self._folded is None or self._folded.device != self.codebooks.device:
+            return self._table_source.folded_table(dtype)
+        folded = self._folded
+        if folded is None or folded.device != self.codebooks.device or folded.dtype != dtype:
             from ..kernels.cpu import folded_key_table
 
-            self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups)
+            self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups, dtype)
         return self._folded
 
     def reconstruct(self, x: torch.Tensor, gain: str = DEFAULT_GAIN, beam_width: int = DEFAULT_BEAM_WIDTH) -> torch.Tensor:
