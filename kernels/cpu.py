@@ -24,6 +24,8 @@ from . import reference
 from .cpu_native import native_ops
 
 CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogram sources) whatever the context
+CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for keys coded conditionally across heads is built for
+MAX_CONDITIONAL_HEADS = 16
 # The tables the compiled loops rebuild pre-RoPE keys from are read at random, one 64-float row per stage and key, and
 # their time is the time those rows take to arrive: float16 rows (the loops widen them to float32) halve the bytes.
 # On an AVX2 CPU with 512 KB of L2 per core (a head's float32 table is 1 MB) the key loop ran 1.5-1.7x faster at
@@ -39,9 +41,6 @@ def native_key_table_dtype() -> torch.dtype:
         raise ValueError(f"HF_KVCODECS_KEY_TABLE={name!r} is not a key table dtype; use one of "
                          f"{sorted(KEY_TABLE_DTYPES)} (or unset it for float16).")
     return KEY_TABLE_DTYPES[name]
-
-CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for keys coded conditionally across heads is built for
-MAX_CONDITIONAL_HEADS = 16
 
 
 def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
