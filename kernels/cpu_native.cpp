@@ -619,19 +619,10 @@ struct WeightSource {
 
 // The histogram's query rows padded to a whole number of L-float vectors: one token then adds into a bin with
 // `padded / L` vector read-modify-writes instead of `rows` scalar ones (9 rows, joint-head values: one AVX-512 add).
-// The weights of all tokens are formed first ([tokens, padded], zero in the padding), then each stage in
-// [first_stage, last_stage) runs over all tokens: its bins (K x padded floats, 16 KB for 256 codewords and 16 lanes)
-// stay in L1 while the weights stream past in order. Token by token, each token's adds spread over every stage's
-// bins (737 KB for the default model's 45 value stages), more than a 512 KB L2 holds: 2-3x slower on such a CPU.
+// The weights of all tokens are formed first ([tokens, padded], zero in the padding; see stage_histogram).
 // Adds the weight sum only when asked.
-template <int64_t L>
-void histogram_stages(const WeightSource& source, const uint8_t* codes, float* histogram, float* weight_sum,
-                      int64_t padded, int64_t tokens, int64_t stages, int64_t codebook_size, int64_t first_stage,
-                      int64_t last_stage) {
-  // Adds a register at a time: GCC moved a vector wider than a register through the stack in 16-byte pieces.
-  constexpr int64_t R = L < kLanes ? L : kLanes;
-  typedef float VecR __attribute__((vector_size(4 * R), aligned(4)));
-  const int64_t chunks = padded / R, rows = source.heads * source.rows;
+std::vector<float> token_weights(const WeightSource& source, float* weight_sum, int64_t padded, int64_t tokens) {
+  const int64_t rows = source.heads * source.rows;
   std::vector<float> weights(tokens * padded, 0.f);
   for (int64_t h = 0; h < source.heads; ++h) {
     const HeadScales& scale = source.scales[h];
@@ -646,14 +637,26 @@ void histogram_stages(const WeightSource& source, const uint8_t* codes, float* h
       for (int64_t m = 0; m < rows; ++m) weight_sum[m] += weights[t * padded + m];
     }
   }
-  for (int64_t s = first_stage; s < last_stage; ++s) {
-    float* bins = histogram + s * codebook_size * padded;
-    const uint8_t* stage_codes = codes + s;
-    for (int64_t t = 0; t < tokens; ++t) {
-      VecR* counts = reinterpret_cast<VecR*>(bins + stage_codes[t * stages] * padded);
-      const VecR* w = reinterpret_cast<const VecR*>(weights.data() + t * padded);
-      for (int64_t c = 0; c < chunks; ++c) counts[c] += w[c];
-    }
+  return weights;
+}
+
+// One stage's histogram over all tokens, into `bins` (K x padded floats, zeroed here). One stage at a time, and each
+// stage's bins multiplied by its codebook before the next stage reuses them: 16 KB for 256 codewords and 16 lanes,
+// which stay in L1 while the weights stream past in order. Token by token, each token's adds spread over every
+// stage's bins (737 KB for the default model's 45 value stages), more than a 512 KB L2 holds: 2-3x slower on such a
+// CPU; and a histogram of all stages at once, zeroed and read back, cost ~0.1 ms per layer at any context.
+template <int64_t L>
+void stage_histogram(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens, int64_t padded,
+                     int64_t codebook_size, float* bins) {
+  // Adds a register at a time: GCC moved a vector wider than a register through the stack in 16-byte pieces.
+  constexpr int64_t R = L < kLanes ? L : kLanes;
+  typedef float VecR __attribute__((vector_size(4 * R), aligned(4)));
+  const int64_t chunks = padded / R;
+  std::fill(bins, bins + codebook_size * padded, 0.f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    VecR* counts = reinterpret_cast<VecR*>(bins + stage_codes[t * stages] * padded);
+    const VecR* w = reinterpret_cast<const VecR*>(weights + t * padded);
+    for (int64_t c = 0; c < chunks; ++c) counts[c] += w[c];
   }
 }
 
@@ -729,49 +732,44 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   const int64_t code_heads = codes.size(1);
   const int64_t heads_per_pass = heads / code_heads, pass_rows = heads_per_pass * rows;
   check(heads_per_pass <= kMaxPassHeads, "too many heads share one code sequence (at most 64)");
-  const int64_t bins = stages * codebook_size;
   const int64_t lanes = histogram_lanes(pass_rows);
   const int64_t padded = (pass_rows + lanes - 1) / lanes * lanes;
-  // Threads split the stages, not the tokens: each owns its bins outright, so there are no private histograms to
-  // zero and add up afterwards; only the small per-range sums [rows, Dt] are added at the end.
+  // Threads split the stages, not the tokens: each histograms its own stages over all tokens, so there are no
+  // private histograms to add up afterwards; only the small per-range sums [rows, Dt] are added at the end.
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), stages));
   const int64_t range_stages = (stages + ranges - 1) / ranges;
   const int64_t passes = batch * code_heads;
-  // Bins outermost, query rows innermost (padded): one token's rows add into one cache line per stage.
-  auto histogram = at::empty({passes, bins, padded}, probabilities.options());
   auto partial = at::zeros({ranges, batch, heads, rows, transform_dim}, probabilities.options());
   auto weight_sum = at::zeros({batch, heads, rows}, probabilities.options());
   const float* pp = probabilities.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const float* bp = codebooks.data_ptr<float>();
-  float* hp = histogram.data_ptr<float>();
   float* zp = partial.data_ptr<float>();
   float* wp = weight_sum.data_ptr<float>();
-  const auto run = lanes == 4 ? histogram_stages<4> : lanes == 8 ? histogram_stages<8> : histogram_stages<16>;
+  const auto histogram = lanes == 4 ? stage_histogram<4> : lanes == 8 ? stage_histogram<8> : stage_histogram<16>;
   at::parallel_for(0, passes * ranges, 1, [&](int64_t first, int64_t last) {
+    // Bins outermost, query rows innermost (padded): one token's rows add into one cache line.
+    std::vector<float> bins(codebook_size * padded);
     for (int64_t item = first; item < last; ++item) {
       const int64_t pass = item / ranges, range = item % ranges;
       const int64_t b = pass / code_heads, first_head = (pass % code_heads) * heads_per_pass;
       const int64_t first_stage = std::min(stages, range * range_stages);
       const int64_t last_stage = std::min(stages, first_stage + range_stages);
-      float* pass_histogram = hp + pass * bins * padded;
-      std::fill(pass_histogram + first_stage * codebook_size * padded,
-                pass_histogram + last_stage * codebook_size * padded, 0.f);
       WeightSource source{pp + b * probabilities.stride(0) + first_head * probabilities.stride(1),
                           probabilities.stride(1), probabilities.stride(2), {}, heads_per_pass, rows};
       for (int64_t h = 0; h < heads_per_pass; ++h) source.scales[h] = head_scales(scales, scale_levels, b, first_head + h);
       const int64_t first_row = (b * heads + first_head) * rows;  // of the [B, H, M] rows, this pass's are consecutive
-      run(source, cp + pass * tokens * stages, pass_histogram, range == 0 ? wp + first_row : nullptr, padded, tokens,
-          stages, codebook_size, first_stage, last_stage);
+      const std::vector<float> weights = token_weights(source, range == 0 ? wp + first_row : nullptr, padded, tokens);
+      const uint8_t* pass_codes = cp + pass * tokens * stages;
       float* z = zp + (range * batch * heads * rows + first_row) * transform_dim;
       for (int64_t s = first_stage; s < last_stage; ++s) {
-        const float* stage_counts = pass_histogram + s * codebook_size * padded;
+        histogram(weights.data(), pass_codes + s, stages, tokens, padded, codebook_size, bins.data());
         const float* words = bp + s * codebook_size * group_dim;
         float* zs = z + groups[s] * group_dim;
         if (group_dim == 8) {
-          stage_times_codebook<8>(stage_counts, words, zs, pass_rows, padded, codebook_size, transform_dim);
+          stage_times_codebook<8>(bins.data(), words, zs, pass_rows, padded, codebook_size, transform_dim);
         } else {
-          stage_times_codebook_any(stage_counts, words, zs, pass_rows, padded, codebook_size, transform_dim, group_dim);
+          stage_times_codebook_any(bins.data(), words, zs, pass_rows, padded, codebook_size, transform_dim, group_dim);
         }
       }
     }
