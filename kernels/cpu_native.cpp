@@ -1037,8 +1037,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
 }
 
 // z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
-// extend each kept code path by every codeword, keep the beam_width smallest remaining errors, finally take the
-// smallest. Candidates enter a sorted list only if they beat its worst entry, so most cost one comparison.
+// extend each kept code path by every codeword, keep the beam_width smallest remaining errors (at the group's last
+// stage, only the smallest). Candidates enter a sorted list only if they beat its worst entry, so most cost one
+// comparison.
+constexpr int64_t kScoreBlocks = 4;
+
 at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks, const at::Tensor& stage_groups,
                                 int64_t beam_width) {
   check(z.dim() == 2 && codebooks.dim() == 3 && stage_groups.dim() == 1, "unexpected ranks");
@@ -1093,6 +1096,9 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
         path_word.assign(stage_list.size() * width, 0);
         for (size_t depth = 0; depth < stage_list.size(); ++depth) {
           const int64_t stage = stage_list[depth];
+          // The last stage of a group keeps only its best path (the one the group's code is read back from): the
+          // ranking of the rest is never used, and keeping it was most of the search's cost in one-stage groups
+          const int64_t keep = depth + 1 == stage_list.size() ? 1 : width;
           const float* book_t = tp + stage * group_dim * size;
           const float* half = hp + stage * size;
           int64_t kept = 0;
@@ -1100,8 +1106,21 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             const float* r = residual.data() + b * group_dim;
             float r_energy = 0.f;
             for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
-            // scores[k] = <r, c_k> - |c_k|^2 / 2, kLanes codewords at a time with their sums in one register
+            // scores[k] = <r, c_k> - |c_k|^2 / 2, kLanes codewords at a time with their sums in one register, and
+            // kScoreBlocks such registers at once: one register's g dependent adds left the loop waiting on the
+            // adder's latency (3-4x slower on an AVX2 CPU)
             int64_t first_tail = 0;
+            for (; first_tail + kScoreBlocks * kLanes <= size; first_tail += kScoreBlocks * kLanes) {
+              Vec acc[kScoreBlocks];
+              for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] = -load(half + first_tail + u * kLanes);
+              for (int64_t j = 0; j < group_dim; ++j) {
+                const float* words = book_t + j * size + first_tail;
+                for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] += r[j] * load(words + u * kLanes);
+              }
+              for (int64_t u = 0; u < kScoreBlocks; ++u) {
+                *reinterpret_cast<Vec*>(scores.data() + first_tail + u * kLanes) = acc[u];
+              }
+            }
             for (; first_tail + kLanes <= size; first_tail += kLanes) {
               Vec acc = -load(half + first_tail);
               for (int64_t j = 0; j < group_dim; ++j) acc += r[j] * load(book_t + j * size + first_tail);
@@ -1114,8 +1133,8 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             }
             auto offer = [&](int64_t k) {  // candidate k, in increasing k: ties keep the earlier one
               const float error = r_energy - 2.f * scores[k];  // |r - c|^2
-              if (kept == width && error >= best_error[width - 1]) return;
-              int64_t slot = kept < width ? kept++ : width - 1;
+              if (kept == keep && error >= best_error[keep - 1]) return;
+              int64_t slot = kept < keep ? kept++ : keep - 1;
               while (slot > 0 && best_error[slot - 1] > error) {
                 best_error[slot] = best_error[slot - 1];
                 best_parent[slot] = best_parent[slot - 1];
@@ -1127,7 +1146,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
               best_word[slot] = k;
             };
             int64_t k = 0;
-            for (; k < size && kept < width; ++k) offer(k);
+            for (; k < size && kept < keep; ++k) offer(k);
 #if defined(__AVX512F__)
             // Once the beam is full, few candidates beat its worst entry: compare 16 at a time and offer only those
             // (same errors, same order as the scalar loop, so the same codes).
@@ -1135,7 +1154,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
             for (; k + 16 <= size; k += 16) {
               const __m512 s = _mm512_loadu_ps(scores.data() + k);
               const __m512 error = _mm512_sub_ps(energy_v, _mm512_add_ps(s, s));
-              __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[width - 1]), _CMP_LT_OQ);
+              __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[keep - 1]), _CMP_LT_OQ);
               while (below) {
                 offer(k + __builtin_ctz(below));
                 below &= below - 1;
@@ -1148,7 +1167,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
               const __m256 s = _mm256_loadu_ps(scores.data() + k);
               const __m256 error = _mm256_sub_ps(energy_v, _mm256_add_ps(s, s));
               unsigned below = _mm256_movemask_ps(
-                  _mm256_cmp_ps(error, _mm256_set1_ps(best_error[width - 1]), _CMP_LT_OQ));
+                  _mm256_cmp_ps(error, _mm256_set1_ps(best_error[keep - 1]), _CMP_LT_OQ));
               while (below) {
                 offer(k + __builtin_ctz(below));
                 below &= below - 1;
