@@ -39,7 +39,9 @@ namespace {
 
 constexpr int64_t kBlockTokens = 256;
 constexpr int64_t kMaxHeadDim = 512;
-constexpr int64_t kPrefetchDistance = 4;
+// How many tokens ahead the key loops ask for table rows: 8 tokens' rows (~240 cache lines for 15 stages of 64-dim
+// float16 rows) cover the latency of L3; on the AVX2 machine with 512 KB of L2, 8-12 decoded 1.07-1.2x faster than 4.
+constexpr int64_t kPrefetchDistance = 8;
 
 // One SIMD register of floats in GCC/Clang's vector extension, as wide as -march=native allows (loop-based code
 // left the compiler emitting scalar adds for these loops). Never wider than a register: GCC keeps a vector twice a
