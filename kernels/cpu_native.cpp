@@ -1188,16 +1188,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
           std::swap(residual, next_residual);
           beams = kept;
         }
-        int64_t best = 0;
-        float smallest = 0.f;
-        for (int64_t b = 0; b < beams; ++b) {
-          float e = 0.f;
-          for (int64_t j = 0; j < group_dim; ++j) e += residual[b * group_dim + j] * residual[b * group_dim + j];
-          if (b == 0 || e < smallest) {
-            smallest = e;
-            best = b;
-          }
-        }
+        int64_t best = 0;  // the group's last stage kept one path: the best
         for (int64_t depth = static_cast<int64_t>(stage_list.size()) - 1; depth >= 0; --depth) {
           out[stage_list[depth]] = static_cast<uint8_t>(path_word[depth * width + best]);
           best = path_parent[depth * width + best];
