@@ -1082,7 +1082,7 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
   }
   const int64_t width = beam_width;
   at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
-    std::vector<float> residual(width * group_dim), next_residual(width * group_dim), energy(width);
+    std::vector<float> residual(width * group_dim), next_residual(width * group_dim);
     std::vector<float> best_error(width), scores(size);
     std::vector<int64_t> best_parent(width), best_word(width);
     std::vector<int64_t> path_parent, path_word;  // [stage in group][beam]
