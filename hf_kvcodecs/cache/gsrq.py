@@ -108,6 +108,19 @@ def _left_padding(positions: torch.Tensor) -> int:
     return int(torch.where(holds_max, run_starts, torch.zeros_like(run_starts)).max())
 
 
+_NAN_ELEMENTS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _nan_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One NaN ``[1, 1, 1, 1]`` per dtype and device, which every layer's placeholders view (one allocation per
+    process instead of two per layer and decode step; not held by any cache)."""
+    key = (dtype, torch.device(device))
+    if key not in _NAN_ELEMENTS:
+        with torch.inference_mode(False):  # a normal tensor: views of it also serve passes outside inference mode
+            _NAN_ELEMENTS[key] = torch.full((1, 1, 1, 1), float("nan"), dtype=dtype, device=device)
+    return _NAN_ELEMENTS[key]
+
+
 class GSRQLayer(CacheLayerMixin):
     """One decoder layer's GSRQ-coded keys and values."""
 
@@ -232,8 +245,8 @@ class GSRQLayer(CacheLayerMixin):
         self._awaiting_attention = True
         batch, heads, _, dim = key_states.shape
         shape = (batch, heads, self.get_seq_length(), dim)
-        keys = torch.full((1, 1, 1, 1), float("nan"), dtype=self.dtype, device=self.device).expand(shape)
-        values = torch.full((1, 1, 1, 1), float("nan"), dtype=self.dtype, device=self.device).expand(shape)
+        nan = _nan_element(self.dtype, self.device)
+        keys, values = nan.expand(shape), nan.expand(shape)
         setattr(keys, CODE_LAYER_ATTRIBUTE, self)
         return keys, values
 

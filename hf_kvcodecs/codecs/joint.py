@@ -142,7 +142,8 @@ class JointHeadResidualVQ:
         """
         check_encoder_options(gain, beam_width)
         self._check_input(x)
-        scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
+        levels = self.scale_level_table(x.device)
+        scales, scale_values = quantize_scales(_rms(x), self.log_scale_range, levels)
         shape = self._joint(x.float() / scale_values[..., None])  # [1, N, H*D]
         inner = self.shape_codec
         z = torch.einsum("hnd,hde->hne", shape - inner.mean[:, None, :], inner.basis)
@@ -151,7 +152,7 @@ class JointHeadResidualVQ:
             return codes, scales
         # per head, from that head's slice of the input and decoded shapes
         return codes, refit_gains(self._split(shape), self._decoded_shapes(codes), scales, scale_values, gain,
-                                  self.log_scale_range)
+                                  self.log_scale_range, levels)
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: codes ``[1, N, S]`` and stored scales ``[H, N]`` -> ``[H, N, D]``."""

@@ -67,6 +67,7 @@ class TransformResidualVQ:
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _folded: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
+    _centre: torch.Tensor | None = field(default=None, repr=False, compare=False)  # see _coding_space_mean
 
     @property
     def num_heads(self) -> int:
@@ -145,7 +146,8 @@ class TransformResidualVQ:
         """
         check_encoder_options(gain, beam_width)
         self._check_input(x)
-        scales, scale_values = quantize_scales(_rms(x), self.log_scale_range)
+        levels = self.scale_level_table(x.device)
+        scales, scale_values = quantize_scales(_rms(x), self.log_scale_range, levels)
         z = self._analyze(x.float(), scale_values)  # coded relative to the scale the decoder will use
         num_heads, n, dim = z.shape
         # hf_kvcodecs::residual_encode: compiled loop on CPU, Triton kernels on CUDA, kernels/reference.py otherwise
@@ -167,9 +169,16 @@ class TransformResidualVQ:
         squared error is higher). ``"least_squares"``: gain ``<a, b> / |b|^2``, the smallest error for that shape;
         each vector keeps the RMS level when that is better after quantization. Neither costs bits.
         """
-        centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]  # the mean, in the coding space
+        centre = self._coding_space_mean()
         target = z + centre  # x / s in the coding space
-        return refit_gains(target, centre + self._coded_transform(codes), scales, scale_values, gain, self.log_scale_range)
+        return refit_gains(target, centre + self._coded_transform(codes), scales, scale_values, gain, self.log_scale_range,
+                           self.scale_level_table(z.device))
+
+    def _coding_space_mean(self) -> torch.Tensor:
+        """``[H, 1, D]`` the mean in the coding space (kept: every flush of a cache refits gains with it)."""
+        if self._centre is None or self._centre.device != self.mean.device:
+            self._centre = torch.einsum("hd,hde->he", self.mean, self.basis)[:, None, :]
+        return self._centre
 
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
         """Inverse of :meth:`encode`: ``[H, N, S]`` codes and ``[H, N]`` stored scales -> ``[H, N, D]``."""
@@ -275,13 +284,15 @@ class TransformResidualVQ:
         )
 
 
-def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range):
+def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range, levels=None):
     """Stored scales ``[H, N]`` re-chosen for decoded shapes ``coded`` of inputs ``target`` (both ``[H, N, D]``, in a
     space where the error is plain squared distance; ``scales``/``scale_values``: the stored RMS scales and their
-    values). See :meth:`TransformResidualVQ._refit_gains` for ``gain``."""
+    values; ``levels``: as :func:`quantize_scales` takes them). See :meth:`TransformResidualVQ._refit_gains` for
+    ``gain``."""
     coded_energy = coded.pow(2).sum(-1).clamp_min(_EPS)
     overlap = (target * coded).sum(-1)
-    refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), log_scale_range)
+    refitted, refitted_values = quantize_scales((scale_values * overlap / coded_energy).clamp_min(_EPS), log_scale_range,
+                                                levels)
 
     def error(gain):  # |a - g b|^2 up to the |a|^2 both share, with a = s * target
         return gain.pow(2) * coded_energy - 2 * gain * scale_values * overlap
@@ -290,7 +301,8 @@ def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range)
     if gain == "least_squares":
         return least_squares
     ratio = target.pow(2).sum(-1).div(coded_energy).sqrt()
-    stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), log_scale_range)[0]
+    stretched = quantize_scales((scale_values * ratio).clamp(_EPS, torch.finfo(torch.float16).max), log_scale_range,
+                                levels)[0]
     # Stretching a shape that captured almost none of the vector (or points away from it) would add error rather than
     # restore length; such vectors (a decoded shape 16x shorter than the input, or none of it) take the least-squares
     # gain.
@@ -313,16 +325,20 @@ def check_encoder_options(gain: str, beam_width: int) -> None:
         raise ValueError(f"beam_width must be an integer from 1 (greedy) to {MAX_BEAM_WIDTH}, got {beam_width!r}.")
 
 
-def quantize_scales(rms: torch.Tensor, log_scale_range: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_scales(rms: torch.Tensor, log_scale_range: torch.Tensor | None,
+                    levels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(stored scales, their values) for per-vector RMS ``[H, N]``: fp16, or with ``log_scale_range`` (``[H, 2]``)
-    the uint8 index of the nearest of 256 log-uniform levels (clamped to the range)."""
+    the uint8 index of the nearest of 256 log-uniform levels (clamped to the range). ``levels``: that range's
+    :func:`scale_levels` when the caller keeps them (a codec's :func:`cached_scale_levels`), else computed here."""
     if log_scale_range is None:
         stored = rms.to(torch.float16)
         return stored, stored.float()
     low, high = log_scale_range[:, :1].to(rms.device), log_scale_range[:, 1:].to(rms.device)
     position = (torch.log2(rms.float()) - low) / (high - low) * (2**LOG_SCALE_BITS - 1)
     stored = position.round_().clamp_(0, 2**LOG_SCALE_BITS - 1).to(torch.uint8)
-    return stored, dequantize_scales(stored, log_scale_range)
+    if levels is None:
+        return stored, dequantize_scales(stored, log_scale_range)
+    return stored, scale_values_from_levels(levels.to(stored.device), stored)
 
 
 def dequantize_scales(stored: torch.Tensor, log_scale_range: torch.Tensor | None) -> torch.Tensor:
@@ -344,9 +360,11 @@ def scale_levels(log_scale_range: torch.Tensor) -> torch.Tensor:
 def cached_scale_levels(codec, device) -> torch.Tensor | None:
     """A codec's ``[H, 256]`` scale levels on ``device``, kept on the codec (they are needed at every decode step;
     prefixes share the levels of the codec they were cut from); None when its scales are fp16."""
+    source = codec._table_source or codec
+    if source._levels is not None and source._levels.device == torch.device(device):
+        return source._levels  # (before log_scale_range: a conditional codec builds that property by concatenation)
     if codec.log_scale_range is None:
         return None
-    source = codec._table_source or codec
     if source._levels is None or source._levels.device != torch.device(device):
         source._levels = scale_levels(source.log_scale_range.to(device))
     return source._levels
