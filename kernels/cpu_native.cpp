@@ -179,6 +179,45 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
   }
 }
 
+// The same over a fixed-point table (kernels/cpu.py: fixed_point_key_table): int16 rows, row element d standing for
+// step[d] times its value, and no sum of a token's rows can leave int16 (the steps are chosen so). The S rows add in
+// 16-bit lanes, twice as many per register as float lanes and with no widening per row; the sum is widened and scaled
+// once per key. On the AVX2 machine, 1.1x faster per layer at 4K tokens than float16 rows (which widen each row).
+template <int64_t kDim>
+void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const HeadScales& scales, const int16_t* table,
+                                const float* step, const float* mean, const float* cos, const float* sin, float* out,
+                                int64_t rows, int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin,
+                                int64_t end, float scaling) {
+  constexpr int64_t kBlocks = kDim / kLanes, kWide = 2 * kLanes, kWideBlocks = kDim / kWide;
+  typedef int16_t VecW __attribute__((vector_size(kWide * sizeof(int16_t)), aligned(2)));
+  typedef int16_t VecN __attribute__((vector_size(kLanes * sizeof(int16_t)), aligned(2)));
+  Vec mean_blocks[kBlocks], step_blocks[kBlocks];
+  for (int64_t b = 0; b < kBlocks; ++b) {
+    mean_blocks[b] = load(mean + b * kLanes);
+    step_blocks[b] = load(step + b * kLanes);
+  }
+  alignas(64) int16_t sums[kDim];
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* token_codes = codes + t * stages;
+    if (t + kPrefetchDistance < end) {  // as in prerope_scores_block_vec
+      const uint8_t* ahead = codes + (t + kPrefetchDistance) * stages;
+      for (int64_t s = 0; s < stages; ++s) prefetch_row<kDim>(table + (s * codebook_size + ahead[s]) * kDim);
+    }
+    VecW sum[kWideBlocks] = {};
+    for (int64_t s = 0; s < stages; ++s) {
+      const VecW* row = reinterpret_cast<const VecW*>(table + (s * codebook_size + token_codes[s]) * kDim);
+      for (int64_t w = 0; w < kWideBlocks; ++w) sum[w] += row[w];
+    }
+    for (int64_t w = 0; w < kWideBlocks; ++w) *reinterpret_cast<VecW*>(sums + w * kWide) = sum[w];
+    Vec key[kBlocks];
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      const VecN narrow = *reinterpret_cast<const VecN*>(sums + b * kLanes);
+      key[b] = mean_blocks[b] + step_blocks[b] * __builtin_convertvector(__builtin_convertvector(narrow, VecI), Vec);
+    }
+    rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
+  }
+}
+
 // Keys coded head by head, each predicted from the heads before it (hf_kvcodecs/codecs/conditional.py): head h of
 // token t is sum over source heads j <= h of scale_j[t] * (mean[j, h] + the S rows of slice (j, h)). Slice (j, h) of
 // the table is [R, D]: codeword rows of source head j with their contribution to head h folded in, so a key is rebuilt
@@ -252,21 +291,31 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
   }
 }
 
-// Any even head_dim up to kMaxHeadDim.
+// Any even head_dim up to kMaxHeadDim; `step` is read for fixed-point tables only.
 template <typename Table>
 void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const Table* table,
-                          const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
+                          const float* step, const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
                           int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                           float scaling, int64_t dim) {
   const int64_t half = dim / 2;
   float key[kMaxHeadDim];
   float rotated[kMaxHeadDim];
+  int32_t sums[kMaxHeadDim];
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* token_codes = codes + t * stages;
-    for (int64_t d = 0; d < dim; ++d) key[d] = mean[d];
-    for (int64_t s = 0; s < stages; ++s) {
-      const Table* row = table + (s * codebook_size + token_codes[s]) * dim;
-      for (int64_t d = 0; d < dim; ++d) key[d] += static_cast<float>(row[d]);
+    if constexpr (std::is_same_v<Table, int16_t>) {  // fixed point: integer sums, then scaled
+      for (int64_t d = 0; d < dim; ++d) sums[d] = 0;
+      for (int64_t s = 0; s < stages; ++s) {
+        const Table* row = table + (s * codebook_size + token_codes[s]) * dim;
+        for (int64_t d = 0; d < dim; ++d) sums[d] += row[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) key[d] = mean[d] + step[d] * static_cast<float>(sums[d]);
+    } else {
+      for (int64_t d = 0; d < dim; ++d) key[d] = mean[d];
+      for (int64_t s = 0; s < stages; ++s) {
+        const Table* row = table + (s * codebook_size + token_codes[s]) * dim;
+        for (int64_t d = 0; d < dim; ++d) key[d] += static_cast<float>(row[d]);
+      }
     }
     const float* c = cos + t * dim;
     const float* n = sin + t * dim;
@@ -342,17 +391,22 @@ void check_rotary_and_scores(const at::Tensor& cos, const at::Tensor& sin, int64
   check(out_stride >= tokens, "score rows shorter than the coded tokens");
 }
 
-void check_key_table(const at::Tensor& table) {
-  check((table.scalar_type() == at::kFloat || table.scalar_type() == at::kHalf) && table.is_contiguous() &&
-            table.device().is_cpu(),
-        "the key table must be contiguous float32 or float16 on CPU");
+void check_key_table(const at::Tensor& table, bool fixed_point_allowed = false) {
+  const auto type = table.scalar_type();
+  check((type == at::kFloat || type == at::kHalf || (fixed_point_allowed && type == at::kShort)) &&
+            table.is_contiguous() && table.device().is_cpu(),
+        fixed_point_allowed ? "the key table must be contiguous float32, float16 or int16 (fixed point) on CPU"
+                            : "the key table must be contiguous float32 or float16 on CPU");
 }
 
-// Calls body(pointer to the table's first row) with the table's element type (float or at::Half).
-template <typename Body>
+// Calls body(pointer to the table's first row) with the table's element type (float, at::Half, or, where the loop
+// reads fixed point, int16_t).
+template <bool kFixedPoint = false, typename Body>
 void with_table_rows(const at::Tensor& table, const Body& body) {
   if (table.scalar_type() == at::kHalf) {
     body(table.const_data_ptr<at::Half>());
+  } else if (kFixedPoint && table.scalar_type() == at::kShort) {
+    if constexpr (kFixedPoint) body(table.const_data_ptr<int16_t>());
   } else {
     body(table.const_data_ptr<float>());
   }
@@ -360,12 +414,13 @@ void with_table_rows(const at::Tensor& table, const Body& body) {
 
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
-// table [H, R, D] f32 or f16 (R >= S * K);
+// table [H, R, D] f32 or f16 (R >= S * K), or i16 with table_step [H, D] f32 (fixed point);
 // mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
 void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
-                         const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size,
-                         double scaling, float* op, int64_t out_stride) {
+                         const c10::optional<at::Tensor>& table_step, const at::Tensor& mean, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t codebook_size, double scaling, float* op,
+                         int64_t out_stride) {
   check(q.dim() == 4 && codes.dim() == 4 && scales.dim() == 3 && table.dim() == 3 && mean.dim() == 2 &&
             cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks");
@@ -373,11 +428,19 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
           "float tensors must be contiguous float32 on CPU");
   }
-  check_key_table(table);
+  check_key_table(table, /*fixed_point_allowed=*/true);
+  const bool fixed_point = table.scalar_type() == at::kShort;
+  check(fixed_point == table_step.has_value(), "a fixed-point (int16) key table needs its step, and only it");
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
   check(dim % 2 == 0 && dim <= kMaxHeadDim, "head_dim must be even and at most 512");
+  if (fixed_point) {
+    check(table_step->scalar_type() == at::kFloat && table_step->is_contiguous() && table_step->dim() == 2 &&
+              table_step->size(0) == table.size(0) && table_step->size(1) == dim,
+          "the key table's step must be contiguous float32 [H, head_dim]");
+  }
+  const float* step_rows = fixed_point ? table_step->const_data_ptr<float>() : nullptr;
   check(codes.size(0) == batch && (codes.size(1) == heads || codes.size(1) == 1),
         "codes do not match the query's batch and heads");
   const int64_t code_heads = codes.size(1);
@@ -406,17 +469,29 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
       const float* cosi = cosp + b * tokens * dim;
       const float* sini = sinp + b * tokens * dim;
       float* oi = op + bh * rows * out_stride;
-      with_table_rows(table, [&](const auto* rows_begin) {
+      const float* stepi = fixed_point ? step_rows + h * dim : nullptr;
+      with_table_rows</*kFixedPoint=*/true>(table, [&](const auto* rows_begin) {
         const auto* ti = rows_begin + h * table_rows * dim;
+        constexpr bool kFixed = std::is_same_v<std::decay_t<decltype(*ti)>, int16_t>;
         if (dim == 64) {
-          prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                                       begin, end, scale);
+          if constexpr (kFixed) {
+            prerope_scores_block_fixed<64>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
+                                           codebook_size, begin, end, scale);
+          } else {
+            prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                         begin, end, scale);
+          }
         } else if (dim == 128) {
-          prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                                        begin, end, scale);
+          if constexpr (kFixed) {
+            prerope_scores_block_fixed<128>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
+                                            codebook_size, begin, end, scale);
+          } else {
+            prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages,
+                                          codebook_size, begin, end, scale);
+          }
         } else {
-          prerope_scores_block(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size, begin,
-                               end, scale, dim);
+          prerope_scores_block(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                               begin, end, scale, dim);
         }
       });
     }
@@ -619,10 +694,8 @@ struct WeightSource {
   int64_t heads, rows;
 };
 
-// The histogram's query rows padded to a whole number of L-float vectors: one token then adds into a bin with
-// `padded / L` vector read-modify-writes instead of `rows` scalar ones (9 rows, joint-head values: one AVX-512 add).
-// The weights of all tokens are formed first ([tokens, padded], zero in the padding; see stage_histogram).
-// Adds the weight sum only when asked.
+// The weights of all tokens, formed once per pass before the histograms read them: [tokens, padded], the rows padded
+// with zeros to weight_row_floats. Adds the weight sum only when asked.
 std::vector<float> token_weights(const WeightSource& source, float* weight_sum, int64_t padded, int64_t tokens) {
   const int64_t rows = source.heads * source.rows;
   std::vector<float> weights(tokens * padded, 0.f);
@@ -642,23 +715,79 @@ std::vector<float> token_weights(const WeightSource& source, float* weight_sum, 
   return weights;
 }
 
-// One stage's histogram over all tokens, into `bins` (K x padded floats, zeroed here). One stage at a time, and each
-// stage's bins multiplied by its codebook before the next stage reuses them: 16 KB for 256 codewords and 16 lanes,
-// which stay in L1 while the weights stream past in order. Token by token, each token's adds spread over every
-// stage's bins (737 KB for the default model's 45 value stages), more than a 512 KB L2 holds: 2-3x slower on such a
-// CPU; and a histogram of all stages at once, zeroed and read back, cost ~0.1 ms per layer at any context.
-template <int64_t L>
-void stage_histogram(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens, int64_t padded,
-                     int64_t codebook_size, float* bins) {
-  // Adds a register at a time: GCC moved a vector wider than a register through the stack in 16-byte pieces.
-  constexpr int64_t R = L < kLanes ? L : kLanes;
+// Adds one token's weight row (P floats) into a bin, a register at a time (GCC moved a vector wider than a register
+// through the stack in 16-byte pieces); a 12-float row is an 8-float and a 4-float add.
+template <int64_t P>
+inline void add_weight_row(float* bin, const float* w) {
+  constexpr int64_t R = P < kLanes ? P : kLanes, kWhole = P / R, kTail = P % R;
+  static_assert(kTail == 0 || kTail == 4, "weight rows are whole registers, or 12 floats");
   typedef float VecR __attribute__((vector_size(4 * R), aligned(4)));
-  const int64_t chunks = padded / R;
+  typedef float Vec4 __attribute__((vector_size(16), aligned(4)));
+  for (int64_t c = 0; c < kWhole; ++c) reinterpret_cast<VecR*>(bin)[c] += reinterpret_cast<const VecR*>(w)[c];
+  if (kTail == 4) *reinterpret_cast<Vec4*>(bin + kWhole * R) += *reinterpret_cast<const Vec4*>(w + kWhole * R);
+}
+
+// The histograms of kCount consecutive stages over all tokens, into `bins` (kCount x K x P floats, zeroed here), one
+// pass over the weights for all of them. A few stages at a time, each pass's bins multiplied by the codebooks before
+// the next pass reuses them: 12-24 KB for 256 codewords, which stay in L1 while the weights stream past in order.
+// Token by token, each token's adds spread over every stage's bins (737 KB for the default model's 45 value stages),
+// more than a 512 KB L2 holds: 2-3x slower on such a CPU; and a histogram of all stages at once, zeroed and read back,
+// cost ~0.1 ms per layer at any context. The weights and codes are read again by every pass, from L2: two stages per
+// pass halve that traffic (4K tokens, 9 rows of 12 floats, AVX2: 1.3x faster than one stage of 16-float rows).
+template <int64_t P, int64_t kCount>
+void stage_histograms(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens,
+                      int64_t codebook_size, float* bins) {
+  std::fill(bins, bins + kCount * codebook_size * P, 0.f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint8_t* token_codes = stage_codes + t * stages;
+    for (int64_t c = 0; c < kCount; ++c) {
+      add_weight_row<P>(bins + (c * codebook_size + token_codes[c]) * P, weights + t * P);
+    }
+  }
+}
+
+// The same, one stage, for rows padded to any multiple of 16 floats (more than 16 query rows per pass).
+void stage_histogram_wide(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens,
+                          int64_t padded, int64_t codebook_size, float* bins) {
   std::fill(bins, bins + codebook_size * padded, 0.f);
   for (int64_t t = 0; t < tokens; ++t) {
-    VecR* counts = reinterpret_cast<VecR*>(bins + stage_codes[t * stages] * padded);
-    const VecR* w = reinterpret_cast<const VecR*>(weights + t * padded);
-    for (int64_t c = 0; c < chunks; ++c) counts[c] += w[c];
+    float* bin = bins + stage_codes[t * stages] * padded;
+    for (int64_t c = 0; c < padded; c += 16) add_weight_row<16>(bin + c, weights + t * padded + c);
+  }
+}
+
+// How many floats a token's weight row takes: the pass's query rows rounded up to whole vectors, so that a token adds
+// into a bin with a few vector read-modify-writes instead of `rows` scalar ones. 9 rows (joint-head values, three
+// heads of three query rows) take 12 floats with 8-float registers (16 wastes a third of the bytes streamed) and one
+// 16-float register with AVX-512.
+int64_t weight_row_floats(int64_t rows) {
+  if (rows <= 4) return 4;
+  if (rows <= 8) return 8;
+  if (rows <= 12 && kLanes == 8) return 12;
+  return (rows + 15) / 16 * 16;
+}
+
+// Stages per histogram pass: two while their bins fit in 24 KB (L1 also holds the streaming weights) and the rows
+// are one of the compiled widths; one for wider rows (stage_histogram_wide).
+int64_t stages_per_pass(int64_t padded, int64_t codebook_size) {
+  const bool fits = 2 * codebook_size * padded * static_cast<int64_t>(sizeof(float)) <= 24 * 1024;
+  return padded <= 16 && fits ? 2 : 1;
+}
+
+// Histograms of `count` stages (count <= stages_per_pass) starting at `stage_codes`' first stage.
+void histogram_pass(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens, int64_t padded,
+                    int64_t codebook_size, int64_t count, float* bins) {
+  const auto run = [&](auto one, auto two) {
+    (count == 2 ? two : one)(weights, stage_codes, stages, tokens, codebook_size, bins);
+  };
+  switch (padded) {
+    case 4: return run(stage_histograms<4, 1>, stage_histograms<4, 2>);
+    case 8: return run(stage_histograms<8, 1>, stage_histograms<8, 2>);
+    case 12: return run(stage_histograms<12, 1>, stage_histograms<12, 2>);
+    case 16: return run(stage_histograms<16, 1>, stage_histograms<16, 2>);
+    default:
+      check(count == 1, "rows wider than 16 floats are histogrammed one stage per pass");
+      return stage_histogram_wide(weights, stage_codes, stages, tokens, padded, codebook_size, bins);
   }
 }
 
@@ -693,8 +822,6 @@ void stage_times_codebook_any(const float* counts, const float* words, float* z,
     }
   }
 }
-
-int64_t histogram_lanes(int64_t rows) { return rows <= 4 ? 4 : rows <= 8 ? 8 : 16; }
 
 // probabilities [B, H, M, >= N] f32, any strides but unit stride within a row (only the first N columns are read: the
 // coded tokens of a softmax that may also span exact tokens; they need not be normalized); codes [B, H or 1, N, S] u8
@@ -734,8 +861,8 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   const int64_t code_heads = codes.size(1);
   const int64_t heads_per_pass = heads / code_heads, pass_rows = heads_per_pass * rows;
   check(heads_per_pass <= kMaxPassHeads, "too many heads share one code sequence (at most 64)");
-  const int64_t lanes = histogram_lanes(pass_rows);
-  const int64_t padded = (pass_rows + lanes - 1) / lanes * lanes;
+  const int64_t padded = weight_row_floats(pass_rows);
+  const int64_t pass_stages = stages_per_pass(padded, codebook_size);
   // Threads split the stages, not the tokens: each histograms its own stages over all tokens, so there are no
   // private histograms to add up afterwards; only the small per-range sums [rows, Dt] are added at the end.
   const int64_t ranges = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), stages));
@@ -748,10 +875,9 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
   const float* bp = codebooks.data_ptr<float>();
   float* zp = partial.data_ptr<float>();
   float* wp = weight_sum.data_ptr<float>();
-  const auto histogram = lanes == 4 ? stage_histogram<4> : lanes == 8 ? stage_histogram<8> : stage_histogram<16>;
   at::parallel_for(0, passes * ranges, 1, [&](int64_t first, int64_t last) {
     // Bins outermost, query rows innermost (padded): one token's rows add into one cache line.
-    std::vector<float> bins(codebook_size * padded);
+    std::vector<float> bins(pass_stages * codebook_size * padded);
     for (int64_t item = first; item < last; ++item) {
       const int64_t pass = item / ranges, range = item % ranges;
       const int64_t b = pass / code_heads, first_head = (pass % code_heads) * heads_per_pass;
@@ -764,14 +890,18 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
       const std::vector<float> weights = token_weights(source, range == 0 ? wp + first_row : nullptr, padded, tokens);
       const uint8_t* pass_codes = cp + pass * tokens * stages;
       float* z = zp + (range * batch * heads * rows + first_row) * transform_dim;
-      for (int64_t s = first_stage; s < last_stage; ++s) {
-        histogram(weights.data(), pass_codes + s, stages, tokens, padded, codebook_size, bins.data());
-        const float* words = bp + s * codebook_size * group_dim;
-        float* zs = z + groups[s] * group_dim;
-        if (group_dim == 8) {
-          stage_times_codebook<8>(bins.data(), words, zs, pass_rows, padded, codebook_size, transform_dim);
-        } else {
-          stage_times_codebook_any(bins.data(), words, zs, pass_rows, padded, codebook_size, transform_dim, group_dim);
+      for (int64_t s = first_stage; s < last_stage; s += pass_stages) {
+        const int64_t count = std::min(pass_stages, last_stage - s);
+        histogram_pass(weights.data(), pass_codes + s, stages, tokens, padded, codebook_size, count, bins.data());
+        for (int64_t c = 0; c < count; ++c) {
+          const float* counts = bins.data() + c * codebook_size * padded;
+          const float* words = bp + (s + c) * codebook_size * group_dim;
+          float* zs = z + groups[s + c] * group_dim;
+          if (group_dim == 8) {
+            stage_times_codebook<8>(counts, words, zs, pass_rows, padded, codebook_size, transform_dim);
+          } else {
+            stage_times_codebook_any(counts, words, zs, pass_rows, padded, codebook_size, transform_dim, group_dim);
+          }
         }
       }
     }
@@ -800,7 +930,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     const c10::optional<at::Tensor>& predicted_scales, const c10::optional<at::Tensor>& predicted_scale_levels,
     const c10::optional<at::Tensor>& predicted_codebooks, const c10::optional<at::Tensor>& predicted_stage_groups,
     const c10::optional<at::Tensor>& predicted_mean, const c10::optional<at::Tensor>& predicted_synthesis,
-    const c10::optional<at::Tensor>& predicted_bias, const c10::optional<at::Tensor>& value_predictor) {
+    const c10::optional<at::Tensor>& predicted_bias, const c10::optional<at::Tensor>& value_predictor,
+    const c10::optional<at::Tensor>& key_table_step) {
   check(q.dim() == 4 && key_codes.dim() == 4, "unexpected ranks");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = key_codes.size(2), exact = exact_keys.size(2), width = tokens + exact;
@@ -855,8 +986,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
                             scaling, sp, width, fused_prediction ? &spec : nullptr);
   } else {
-    prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
-                        scaling, sp, width);
+    prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_table_step, key_mean, cos, sin,
+                        codebook_size, scaling, sp, width);
   }
   const float scale = static_cast<float>(scaling);
   const float* qp = q.const_data_ptr<float>();
@@ -1212,7 +1343,7 @@ TORCH_LIBRARY(hf_kvcodecs_cpu_native, m) {
         "int query_length, float scaling, bool conditional_keys=False, Tensor? predicted_codes=None, "
         "Tensor? predicted_scales=None, Tensor? predicted_scale_levels=None, Tensor? predicted_codebooks=None, "
         "Tensor? predicted_stage_groups=None, Tensor? predicted_mean=None, Tensor? predicted_synthesis=None, "
-        "Tensor? predicted_bias=None, Tensor? value_predictor=None) -> (Tensor, Tensor)");
+        "Tensor? predicted_bias=None, Tensor? value_predictor=None, Tensor? key_table_step=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_kvcodecs_cpu_native, CPU, m) {

@@ -32,8 +32,9 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 @pytest.fixture(autouse=True)
 def float32_key_tables(request, monkeypatch):
     """Tests hold the code-reading path to float32's error budget (equal to the dequantize path to float32 rounding),
-    so they read float32 key tables; the float16 tables the compiled CPU loops read by default are held to float16's
-    budget in tests/test_kernels.py, and tests marked ``default_key_tables`` run with them."""
+    so they read float32 key tables; the 16-bit tables the compiled CPU loops read by default (int16 fixed point, or
+    float16) are held to float16's budget in tests/test_kernels.py, and tests marked ``default_key_tables`` run with
+    the default."""
     if request.node.get_closest_marker("default_key_tables") is None:
         monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "float32")
 

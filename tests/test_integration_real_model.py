@@ -98,8 +98,8 @@ def test_cli_calibrate_writes_a_loadable_codebook_directory(tmp_path, capsys):
 
 @pytest.mark.default_key_tables
 def test_code_reading_attention_generates_the_same_tokens_as_dequantize(real, real_codebooks):
-    """Greedy decoding on the real model: reading codes (CPU implementation of the op, with its default float16 key
-    tables) = decoding them for SDPA."""
+    """Greedy decoding on the real model: reading codes (CPU implementation of the op, with its default int16
+    fixed-point key tables) = decoding them for SDPA."""
     ids = tokenize_corpus(real.tokenizer, load_corpus(None, default=EVALUATION_DEFAULT))[3000:3000 + 300][None]
     outputs = {}
     for attention in ("dequantize", "auto"):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
-from hf_kvcodecs.kernels.cpu import coded_attention_cpu, conditional_key_table, folded_key_table
+from hf_kvcodecs.kernels.cpu import (FixedPointKeyTable, coded_attention_cpu, conditional_key_table,
+                                     folded_key_table)
 from hf_kvcodecs.kernels.cpu_native import build_error, native_ops
 
 triton = pytest.importorskip("triton")
@@ -308,11 +309,13 @@ def float16_table_problems():
 
 
 @needs_compiler
+@pytest.mark.parametrize("table", ["int16", "float16"])
 @pytest.mark.parametrize("index", range(len(SHAPES) + 2 + 3))
-def test_float16_key_tables_stay_within_pytorch_error_with_float16_keys(index, monkeypatch):
-    """The compiled loops with their default float16 key tables against float64 dequantize-then-attend: within twice
-    the error of plain PyTorch holding the dequantized keys in float16 (the tables' dtype; the rest in float32), for
-    outputs and log-sum-exps; and they do round: the float32 tables give a different, closer result."""
+def test_16_bit_key_tables_stay_within_pytorch_error_with_float16_keys(index, table, monkeypatch):
+    """The compiled loops with 16-bit key tables (int16 fixed point, the default, or float16) against float64
+    dequantize-then-attend: within twice the error of plain PyTorch holding the dequantized keys in float16 (the rest
+    in float32), for outputs and log-sum-exps; and they do round: the float32 tables give a different, closer result.
+    Keys coded conditionally across heads read float16 where int16 is asked."""
     name, problem = float16_table_problems()[index]
     truth, truth_lse = dequantize_then_attend(problem, torch.float64)
     plain, plain_lse = dequantize_then_attend(problem, torch.float32, key_dtype=torch.float16)
@@ -322,14 +325,34 @@ def test_float16_key_tables_stay_within_pytorch_error_with_float16_keys(index, m
     if "exact" in problem:
         args += list(problem["exact"]) + [None, None, problem.get("value_predictor")]
     results = {}
-    for table in ("float16", "float32"):
-        monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", table)
-        results[table] = coded_attention(*args)
-    (out, lse), (exact_out, _) = results["float16"], results["float32"]
+    for dtype in (table, "float32"):
+        monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", dtype)
+        results[dtype] = coded_attention(*args)
+    (out, lse), (exact_out, _) = results[table], results["float32"]
     error = (out.double() - truth).abs().max().item()
     assert error <= budget, (name, error, budget)
     assert (lse.double() - truth_lse).abs().max().item() <= lse_budget, name
     assert not torch.equal(out, exact_out) and (exact_out.double() - truth).abs().max().item() <= error, name
+
+
+def test_fixed_point_key_table_bounds_every_key_and_rounds_finely():
+    """Every sum of one row per stage stays inside int16 (the loops add without overflow checks), the worst case
+    included, and each entry is within half a step of the float table."""
+    generator = torch.Generator().manual_seed(3)
+    stages, size = 15, 256
+    table = torch.randn(2, stages * size, 64, generator=generator) * torch.logspace(0, -2, stages).repeat_interleave(
+        size)[None, :, None]
+    table[1, 5, 7] = 40.0  # an outlier codeword: its dimension gets a coarser step, the others do not
+    fixed = FixedPointKeyTable(table, size)
+    assert fixed.rows.dtype == torch.int16 and fixed.step.shape == (2, 64)
+    worst = fixed.rows.int().abs().reshape(2, stages, size, 64).amax(dim=2).sum(dim=1)
+    assert worst.max().item() <= 32767
+    assert worst.max().item() >= 32767 - 2 * stages  # and the range is used: the finest step that is safe
+    # half a step of rounding, and float32 rounding of rows * step (up to 32767 steps)
+    assert ((fixed.float() - table).abs() <= fixed.step[:, None, :] * (0.5 + 32767 * 2**-23)).all()
+    assert fixed.step[1, 7] > 3 * fixed.step[1, 8] and fixed.step[0, 7] < 1.5 * fixed.step[0, 8]
+    with pytest.raises(ValueError, match="not whole stages"):
+        FixedPointKeyTable(table[:, :100], size)
 
 
 def test_an_unknown_key_table_dtype_is_a_clear_error(monkeypatch):
@@ -652,8 +675,9 @@ def test_cpu_chunking_does_not_change_results(monkeypatch, rope):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_compiled_value_sums_match_scatter_add(rows, shared_codes, threads):
     """The compiled loops pad query rows to SIMD widths, split stages across threads and read only the coded
-    columns of a wider probability row; every row count (padding 1 -> 4, 5 -> 8, 17 -> 32) and thread split must
-    give the float64 scatter-add histogram times the codebooks, placed in each stage's group."""
+    columns of a wider probability row; every row count (padding 1 -> 4, 5 -> 8, 9 -> 12 or 16, 17 -> 32; two stages
+    per pass where the bins fit, one for the widest rows) and thread split must give the float64 scatter-add
+    histogram times the codebooks, placed in each stage's group."""
     ops_native = native_ops()
     assert ops_native is not None, build_error()
     generator = torch.Generator().manual_seed(rows)

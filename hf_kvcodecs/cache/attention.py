@@ -14,7 +14,8 @@ import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
-from ..kernels.cpu import conditional_native_supports, native_key_table_dtype, prerope_decode_attention
+from ..kernels.cpu import (conditional_native_supports, float_key_table_dtype, native_key_table_dtype,
+                           prerope_decode_attention)
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
 
@@ -110,7 +111,8 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     # compiled loop does, elsewhere the op's reference reads the operands
     wants_table = (pre_rope and on_cpu and _table_loop_fits(key_codec, dim)
                    and (not conditional or native_ops() is not None))
-    table_dtype = native_key_table_dtype() if native_ops() is not None else torch.float32
+    # the op's arguments are tensors: a float table where the compiled loop would read fixed point
+    table_dtype = float_key_table_dtype(native_key_table_dtype()) if native_ops() is not None else torch.float32
     key_table = _cpu_key_table(key_codec, table_dtype)[0] if wants_table else None
     values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
     out, _ = coded_attention(
