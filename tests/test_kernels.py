@@ -293,8 +293,11 @@ def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table
 
 def float16_table_problems():
     """(id, problem) for every shape the compiled loops read a key table in: per-head, joint and conditional keys,
-    GQA, several queries, padding, exact tokens, values coded given the keys."""
+    GQA, several queries, padding, exact tokens, values coded given the keys, more query rows than are scored in
+    groups of tokens."""
     problems = [(f"shape{i}", make_problem(rope=True, **shape)) for i, shape in enumerate(SHAPES)]
+    # more query rows per KV head (12) than the key loop scores 8 tokens at a time for: scored token by token
+    problems.append(("many-rows", make_problem(rope=True, dim=64, group_count=4, tokens=45, query_length=3)))
     problems += [(f"conditional{i}", make_problem(conditional=True, rope=True, **shape))
                  for i, shape in enumerate(CONDITIONAL_SHAPES[:2])]
     for keys in ("per-head", "joint", "conditional"):
@@ -310,7 +313,7 @@ def float16_table_problems():
 
 @needs_compiler
 @pytest.mark.parametrize("table", ["int16", "float16"])
-@pytest.mark.parametrize("index", range(len(SHAPES) + 2 + 3))
+@pytest.mark.parametrize("index", range(len(SHAPES) + 1 + 2 + 3))
 def test_16_bit_key_tables_stay_within_pytorch_error_with_float16_keys(index, table, monkeypatch):
     """The compiled loops with 16-bit key tables (int16 fixed point, the default, or float16) against float64
     dequantize-then-attend: within twice the error of plain PyTorch holding the dequantized keys in float16 (the rest
