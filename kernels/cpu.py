@@ -39,8 +39,7 @@ FIXED_POINT_LIMIT = 32767  # int16: the loops add a key's rows in 16-bit lanes
 def native_key_table_dtype() -> torch.dtype:
     """The dtype of the key tables the compiled loops read: ``int16`` (a :class:`FixedPointKeyTable`) unless
     ``HF_KVCODECS_KEY_TABLE`` says ``float16`` or ``float32`` (with float32 the loops match the PyTorch reference to
-    float32 rounding, at the cost of reading twice the bytes). Keys coded conditionally across heads read float16
-    where int16 is asked (:func:`conditional_key_table_dtype`)."""
+    float32 rounding, at the cost of reading twice the bytes)."""
     name = os.environ.get("HF_KVCODECS_KEY_TABLE", "int16")
     if name not in KEY_TABLE_DTYPES:
         raise ValueError(f"HF_KVCODECS_KEY_TABLE={name!r} is not a key table dtype; use one of "
@@ -49,8 +48,7 @@ def native_key_table_dtype() -> torch.dtype:
 
 
 def float_key_table_dtype(dtype: torch.dtype) -> torch.dtype:
-    """``dtype`` for the loops and ops that read only floating-point key tables (the conditional-keys loop, the
-    custom op's arguments): float16 in place of int16."""
+    """``dtype`` where a key table must be a tensor (the custom op's arguments): float16 in place of int16."""
     return torch.float16 if dtype == torch.int16 else dtype
 
 
@@ -59,7 +57,8 @@ class FixedPointKeyTable:
     ``[H, R, D]`` and ``step`` float32 ``[H, D]``, entry ``(h, r, d)`` standing for ``rows[h, r, d] * step[h, d]``.
     Each head and dimension gets the finest step for which no sum of one row per stage can leave int16: the loops add a
     key's rows in 16-bit integer lanes with no overflow check. Duck-types the parts of a table tensor the PyTorch path
-    reads (``shape``, ``dtype``, ``device``, ``float()``)."""
+    reads (``shape``, ``dtype``, ``device``, ``float()``). The conditional-keys table is several such tables
+    (:meth:`concatenate`): ``rows`` flat, ``step`` one row per slice."""
 
     def __init__(self, table: torch.Tensor, codebook_size: int):
         heads, table_rows, dim = table.shape
@@ -78,6 +77,14 @@ class FixedPointKeyTable:
 
     dtype = torch.int16
 
+    @classmethod
+    def concatenate(cls, parts: list[FixedPointKeyTable]) -> FixedPointKeyTable:
+        """One flat table of the parts' slices in order (``rows`` 1-D, ``step`` ``[slices, D]``)."""
+        joined = cls.__new__(cls)
+        joined.rows = torch.cat([part.rows.reshape(-1) for part in parts])
+        joined.step = torch.cat([part.step for part in parts]).contiguous()
+        return joined
+
     @property
     def device(self) -> torch.device:
         return self.rows.device
@@ -87,7 +94,8 @@ class FixedPointKeyTable:
         return self.rows.shape
 
     def float(self) -> torch.Tensor:
-        return self.rows.float() * self.step[:, None, :]
+        slices, dim = self.step.shape
+        return (self.rows.reshape(slices, -1, dim).float() * self.step[:, None, :]).reshape(self.rows.shape)
 
 
 def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
@@ -105,19 +113,18 @@ def folded_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_gro
 
 
 def conditional_key_table(synthesis: torch.Tensor, codebooks: torch.Tensor, stage_groups: torch.Tensor,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor | FixedPointKeyTable:
     """The flat table the compiled loop reads keys coded conditionally across heads from (operands as
     ``ConditionalHeadResidualVQ.attention_operands``: synthesis ``[H, H, D, D]``, codebooks ``[H, S, K, g]``, groups
     ``[H, S]``): slices ``(j, h)`` for ``j = 0..H-1``, ``h = j..H-1`` one after another, each ``[S*K, D]``, row
     ``s*K + k`` codeword ``k`` of head ``j``'s stage ``s`` placed in its group times ``synthesis[j, h]`` (its part of
     head ``h``). One slice per (source, target) pair lets the loop read one slice at a time (see ``cpu_native.cpp``)."""
     heads = synthesis.shape[0]
-    blocks = []
-    for source in range(heads):
-        onward = folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source],
-                                  float_key_table_dtype(dtype))
-        blocks.append(onward.reshape(-1))
-    return torch.cat(blocks).contiguous()
+    blocks = [folded_key_table(synthesis[source, source:], codebooks[source], stage_groups[source], dtype)
+              for source in range(heads)]
+    if dtype == torch.int16:  # a step per slice (j, h)
+        return FixedPointKeyTable.concatenate(blocks)
+    return torch.cat([block.reshape(-1) for block in blocks]).contiguous()
 
 
 def conditional_native_supports(dim: int, heads: int) -> bool:
@@ -240,7 +247,7 @@ def prerope_decode_attention(
     key loop, exact tokens, masks, one softmax, value sums and synthesis) -> (output ``[B, Hq, Lq, D]``, lse), fp32.
 
     ``native`` is :func:`.cpu_native.native_ops`; arguments as ``coded_attention`` takes them, with the folded
-    ``key_table`` (a tensor, or a :class:`FixedPointKeyTable` for keys not coded conditionally) and the coded tokens' ``rotary_cos``/``rotary_sin`` given. The CPU kernel of
+    ``key_table`` (a tensor or a :class:`FixedPointKeyTable`) and the coded tokens' ``rotary_cos``/``rotary_sin`` given. The CPU kernel of
     ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on CPU, which calls it without
     the Python custom op's dispatch (about 60 us per layer and step with this many arguments).
 

@@ -295,14 +295,33 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
 constexpr int64_t kMaxConditionalHeads = 16;
 constexpr int64_t kConditionalTileTokens = 1024;
 
+// part = the source's mean plus its S rows of the slice; `step` (the slice's, [kDim]) is read for fixed-point rows only.
 template <int64_t kDim, typename Table>
-inline void add_source_rows(const Table* slice, const float* source_mean, const uint8_t* token_codes, int64_t stages,
-                            int64_t codebook_size, Vec* part) {
+inline void add_source_rows(const Table* slice, const float* step, const float* source_mean,
+                            const uint8_t* token_codes, int64_t stages, int64_t codebook_size, Vec* part) {
   constexpr int64_t kBlocks = kDim / kLanes;
-  for (int64_t b = 0; b < kBlocks; ++b) part[b] = load(source_mean + b * kLanes);
-  for (int64_t s = 0; s < stages; ++s) {
-    const Table* row = slice + (s * codebook_size + token_codes[s]) * kDim;
-    for (int64_t b = 0; b < kBlocks; ++b) part[b] += load_row(row + b * kLanes);
+  if constexpr (std::is_same_v<Table, int16_t>) {  // as in prerope_scores_block_fixed
+    constexpr int64_t kWide = 2 * kLanes, kWideBlocks = kDim / kWide;
+    typedef int16_t VecW __attribute__((vector_size(kWide * sizeof(int16_t)), aligned(2)));
+    typedef int16_t VecN __attribute__((vector_size(kLanes * sizeof(int16_t)), aligned(2)));
+    VecW sum[kWideBlocks] = {};
+    for (int64_t s = 0; s < stages; ++s) {
+      const VecW* row = reinterpret_cast<const VecW*>(slice + (s * codebook_size + token_codes[s]) * kDim);
+      for (int64_t w = 0; w < kWideBlocks; ++w) sum[w] += row[w];
+    }
+    alignas(64) int16_t sums[kDim];
+    for (int64_t w = 0; w < kWideBlocks; ++w) *reinterpret_cast<VecW*>(sums + w * kWide) = sum[w];
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      const VecN narrow = *reinterpret_cast<const VecN*>(sums + b * kLanes);
+      part[b] = load(source_mean + b * kLanes) +
+                load(step + b * kLanes) * __builtin_convertvector(__builtin_convertvector(narrow, VecI), Vec);
+    }
+  } else {
+    for (int64_t b = 0; b < kBlocks; ++b) part[b] = load(source_mean + b * kLanes);
+    for (int64_t s = 0; s < stages; ++s) {
+      const Table* row = slice + (s * codebook_size + token_codes[s]) * kDim;
+      for (int64_t b = 0; b < kBlocks; ++b) part[b] += load_row(row + b * kLanes);
+    }
   }
 }
 
@@ -316,7 +335,7 @@ inline void prefetch_source_rows(const Table* slice, const uint8_t* token_codes,
 // head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`.
 template <int64_t kDim, typename Table>
 void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
-                             const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
+                             const float* steps, const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                              int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
                              float* partial, bool keep_keys) {
@@ -324,8 +343,14 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
   const int64_t slice_elements = table_rows * kDim;
   const Table* block = table;  // source j's slices (j, j..H-1) follow one another
+  TokenGroupScores group;
+  const bool grouped = rows <= kMaxGroupedRows;
+  const float* qh = q + h * rows * kDim;
+  float* out_h = out + h * rows * out_stride;
+  const float* step_block = steps;  // fixed point: one step row per slice, in the slices' order
   for (int64_t j = 0; j <= h; ++j) {
     const Table* slice = block + (h - j) * slice_elements;
+    const float* slice_step = steps == nullptr ? nullptr : step_block + (h - j) * kDim;
     const float* source_mean = mean + (j * heads + h) * kDim;
     const uint8_t* source_codes = codes + j * tokens * stages;
     const HeadScales& scale = scales[j];
@@ -334,7 +359,7 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
         prefetch_source_rows<kDim>(slice, source_codes + (t + kPrefetchDistance) * stages, stages, codebook_size);
       }
       Vec part[kBlocks];
-      add_source_rows<kDim>(slice, source_mean, source_codes + t * stages, stages, codebook_size, part);
+      add_source_rows<kDim>(slice, slice_step, source_mean, source_codes + t * stages, stages, codebook_size, part);
       float* keep = partial + (t - begin) * kDim;
       const float factor = scale[t];
       if (j < h) {
@@ -349,10 +374,15 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
       if (keep_keys) {
         for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(keep + b * kLanes) = key[b];
       }
-      rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q + h * rows * kDim, rows,
-                             out + h * rows * out_stride + t, out_stride, scaling);
+      if (!grouped) {
+        rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, qh, rows, out_h + t, out_stride, scaling);
+        continue;
+      }
+      group.add<kDim>(key, cos + t * kDim, sin + t * kDim, qh, rows, t, scaling);
+      if (group.count == kLanes || t + 1 == end) group.flush(out_h, rows, out_stride);
     }
     block += (heads - j) * slice_elements;
+    if (steps != nullptr) step_block += (heads - j) * kDim;
   }
 }
 
@@ -623,14 +653,14 @@ void weighted_key_sums_rows(const float* weights, int64_t weight_stride, const f
 // the weighted sums of every head's keys, kept in `keys` ([H, tile_tokens, kDim] scratch).
 template <int64_t kDim, typename Table>
 void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
-                                    const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
+                                    const float* steps, const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
                                     int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                                     int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end,
                                     float scaling, float* keys, const ConditionalKeySums& spec, const float* mask,
                                     float* peaks, float* sums) {
   const int64_t n = end - begin;
   for (int64_t h = 0; h < heads; ++h) {
-    conditional_scores_tile<kDim>(q, codes, scales, table, mean, cos, sin, out, heads, h, rows, out_stride, tokens,
+    conditional_scores_tile<kDim>(q, codes, scales, table, steps, mean, cos, sin, out, heads, h, rows, out_stride, tokens,
                                   stages, codebook_size, table_rows, begin, end, scaling,
                                   keys + h * spec.tile_tokens * kDim, true);
   }
@@ -662,7 +692,7 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
 // fused loop for values coded given the keys (ConditionalKeySums).
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
-                             const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
+                             const c10::optional<at::Tensor>& table_step, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
                              int64_t codebook_size, double scaling, float* op, int64_t out_stride,
                              const ConditionalKeySums* key_sums = nullptr) {
   check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
@@ -671,11 +701,19 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
           "float tensors must be contiguous float32 on CPU");
   }
-  check_key_table(table);
+  check_key_table(table, /*fixed_point_allowed=*/true);
+  const bool fixed_point = table.scalar_type() == at::kShort;
+  check(fixed_point == table_step.has_value(), "a fixed-point (int16) key table needs its step, and only it");
   check(codes.scalar_type() == at::kByte && codes.is_contiguous(), "codes must be contiguous uint8");
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
   check(dim == 64 || dim == 128, "conditional keys need head_dim 64 or 128");
+  if (fixed_point) {
+    check(table_step->scalar_type() == at::kFloat && table_step->is_contiguous() && table_step->dim() == 2 &&
+              table_step->size(0) == heads * (heads + 1) / 2 && table_step->size(1) == dim,
+          "the conditional key table's step must be contiguous float32 [slices, head_dim]");
+  }
+  const float* step_rows = fixed_point ? table_step->const_data_ptr<float>() : nullptr;
   check(heads <= kMaxConditionalHeads, "conditional keys support at most 16 KV heads");
   check(codes.size(0) == batch && codes.size(1) == heads, "codes do not match the query's batch and heads");
   check_scales(scales, scale_levels, batch, heads, tokens);
@@ -692,7 +730,7 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   const float* cosp = cos.const_data_ptr<float>();
   const float* sinp = sin.const_data_ptr<float>();
   const float scale = static_cast<float>(scaling);
-  with_table_rows(table, [&](const auto* tp) {
+  with_table_rows</*kFixedPoint=*/true>(table, [&](const auto* tp) {
     using Table = std::remove_const_t<std::remove_pointer_t<decltype(tp)>>;
     if (key_sums != nullptr) {
       const int64_t tile_tokens = key_sums->tile_tokens;
@@ -712,7 +750,7 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
           float* sums = key_sums->key_sums + item * all_rows * heads * dim;
           const auto run =
               dim == 64 ? conditional_tile_with_key_sums<64, Table> : conditional_tile_with_key_sums<128, Table>;
-          run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, mp,
+          run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, step_rows, mp,
               cosp + b * tokens * dim, sinp + b * tokens * dim, op + b * heads * rows * out_stride, heads, rows,
               out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
               peaks, sums);
@@ -738,10 +776,10 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
         const float* sini = sinp + b * tokens * dim;
         float* oi = op + b * heads * rows * out_stride;
         if (dim == 64) {
-          conditional_scores_tile<64>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
+          conditional_scores_tile<64>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
                                       stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
         } else {
-          conditional_scores_tile<128>(qi, ci, head_scale, tp, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
+          conditional_scores_tile<128>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
                                        stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
         }
       }
@@ -1048,8 +1086,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
                                   query_length, tile_tokens,
                                   fused_prediction ? tile_peaks.data_ptr<float>() : nullptr,
                                   fused_prediction ? tile_key_sums.data_ptr<float>() : nullptr};
-    conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_mean, cos, sin, codebook_size,
-                            scaling, sp, width, fused_prediction ? &spec : nullptr);
+    conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_table_step, key_mean, cos, sin,
+                            codebook_size, scaling, sp, width, fused_prediction ? &spec : nullptr);
   } else {
     prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_table_step, key_mean, cos, sin,
                         codebook_size, scaling, sp, width);

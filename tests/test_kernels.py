@@ -317,8 +317,7 @@ def float16_table_problems():
 def test_16_bit_key_tables_stay_within_pytorch_error_with_float16_keys(index, table, monkeypatch):
     """The compiled loops with 16-bit key tables (int16 fixed point, the default, or float16) against float64
     dequantize-then-attend: within twice the error of plain PyTorch holding the dequantized keys in float16 (the rest
-    in float32), for outputs and log-sum-exps; and they do round: the float32 tables give a different, closer result.
-    Keys coded conditionally across heads read float16 where int16 is asked."""
+    in float32), for outputs and log-sum-exps; and they do round: the float32 tables give a different, closer result."""
     name, problem = float16_table_problems()[index]
     truth, truth_lse = dequantize_then_attend(problem, torch.float64)
     plain, plain_lse = dequantize_then_attend(problem, torch.float32, key_dtype=torch.float16)

@@ -227,12 +227,11 @@ class ConditionalHeadResidualVQ:
         """(table in ``dtype``, mean) as the compiled CPU attention reads keys (``decode_attention(...,
         conditional_keys=True)``): ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates
         read a prefix of every slice) and the mean pairs as ``[H, H*D]`` (float32)."""
-        from ..kernels.cpu import conditional_key_table, float_key_table_dtype
-
-        dtype = float_key_table_dtype(dtype)  # the conditional loop reads float tables
         source = self._table_source or self
         cached = source._key_table
         if cached is None or cached[0].device != self.predictors.device or cached[0].dtype != dtype:
+            from ..kernels.cpu import conditional_key_table
+
             mean, synthesis, codebooks, stage_groups = source._build_operands()  # not kept: the table replaces them
             source._key_table = (conditional_key_table(synthesis, codebooks, stage_groups, dtype),
                                  mean.reshape(self.num_heads, -1).contiguous())
