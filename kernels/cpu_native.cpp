@@ -5,8 +5,9 @@
 //   decode_attention  one layer's whole decode attention over pre-RoPE coded keys and its exact tokens: the key
 //                     loop (prerope_scores_into), the exact tokens' scores, masks, one softmax, the value sums and
 //                     the synthesis, in one call;
-//   prerope_scores_into  key = mean + sum of S rows of the folded table, rotated with the token's cos/sin, dotted
-//                     with every query row of its KV head, times the token's scale and the softmax scaling;
+//   prerope_scores_into  key = mean + sum of S rows of the folded table (float32, float16, or int16 fixed point
+//                     with a step per dimension), rotated with the token's cos/sin, dotted with every query row of
+//                     its KV head, times the token's scale and the softmax scaling;
 //   conditional_scores_into  the same for keys coded conditionally on the heads before them, tile by tile, one
 //                     source head's slice of the table at a time (decode_attention with conditional_keys=True); for
 //                     values coded given the keys it also forms the attention-weighted sums of the keys it rebuilds
@@ -68,8 +69,10 @@ inline Vec splat(float v) { return Vec{} + v; }
 inline Vec lane_sums(const Vec* v) {
 #if defined(__AVX__) && !defined(__AVX512F__)
   static_assert(kLanes == 8, "AVX registers hold 8 floats");
-  const __m256 pairs01 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]), pairs23 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
-  const __m256 pairs45 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]), pairs67 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
+  const __m256 pairs01 = _mm256_hadd_ps((__m256)v[0], (__m256)v[1]);
+  const __m256 pairs23 = _mm256_hadd_ps((__m256)v[2], (__m256)v[3]);
+  const __m256 pairs45 = _mm256_hadd_ps((__m256)v[4], (__m256)v[5]);
+  const __m256 pairs67 = _mm256_hadd_ps((__m256)v[6], (__m256)v[7]);
   // quads: per 128-bit half, the sums of four lanes of v[0..3] (low) and v[4..7]
   const __m256 quads0123 = _mm256_hadd_ps(pairs01, pairs23), quads4567 = _mm256_hadd_ps(pairs45, pairs67);
   return (Vec)_mm256_add_ps(_mm256_permute2f128_ps(quads0123, quads4567, 0x20),
@@ -173,7 +176,9 @@ inline void rotate_and_score(const Vec* key, const float* c, const float* n, con
                              float* out, int64_t out_stride, float factor) {
   Vec rotated[kDim / kLanes];
   rotate_key<kDim>(key, c, n, rotated);
-  for (int64_t m = 0; m < rows; ++m) out[m * out_stride] = horizontal_sum(query_products<kDim>(rotated, q + m * kDim)) * factor;
+  for (int64_t m = 0; m < rows; ++m) {
+    out[m * out_stride] = horizontal_sum(query_products<kDim>(rotated, q + m * kDim)) * factor;
+  }
 }
 
 // Scores of kLanes consecutive tokens at a time: each token's products with the query rows are kept, and each row's
@@ -202,7 +207,9 @@ struct TokenGroupScores {
       }
     } else {
       for (int64_t m = 0; m < rows; ++m) {
-        for (int64_t j = 0; j < count; ++j) out[m * out_stride + first + j] = horizontal_sum(products[m][j]) * factors[j];
+        for (int64_t j = 0; j < count; ++j) {
+          out[m * out_stride + first + j] = horizontal_sum(products[m][j]) * factors[j];
+        }
       }
     }
     count = 0;
@@ -295,7 +302,8 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
 constexpr int64_t kMaxConditionalHeads = 16;
 constexpr int64_t kConditionalTileTokens = 1024;
 
-// part = the source's mean plus its S rows of the slice; `step` (the slice's, [kDim]) is read for fixed-point rows only.
+// part = the source's mean plus its S rows of the slice; `step` (the slice's, [kDim]) is read for fixed-point rows
+// only.
 template <int64_t kDim, typename Table>
 inline void add_source_rows(const Table* slice, const float* step, const float* source_mean,
                             const uint8_t* token_codes, int64_t stages, int64_t codebook_size, Vec* part) {
@@ -335,8 +343,8 @@ inline void prefetch_source_rows(const Table* slice, const uint8_t* token_codes,
 // head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`.
 template <int64_t kDim, typename Table>
 void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
-                             const float* steps, const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
-                             int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
+                             const float* steps, const float* mean, const float* cos, const float* sin, float* out,
+                             int64_t heads, int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
                              float* partial, bool keep_keys) {
   constexpr int64_t kBlocks = kDim / kLanes;
@@ -389,7 +397,8 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
 // Any even head_dim up to kMaxHeadDim; `step` is read for fixed-point tables only.
 template <typename Table>
 void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales& scales, const Table* table,
-                          const float* step, const float* mean, const float* cos, const float* sin, float* out, int64_t rows,
+                          const float* step, const float* mean, const float* cos, const float* sin, float* out,
+                          int64_t rows,
                           int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin, int64_t end,
                           float scaling, int64_t dim) {
   const int64_t half = dim / 2;
@@ -653,15 +662,16 @@ void weighted_key_sums_rows(const float* weights, int64_t weight_stride, const f
 // the weighted sums of every head's keys, kept in `keys` ([H, tile_tokens, kDim] scratch).
 template <int64_t kDim, typename Table>
 void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
-                                    const float* steps, const float* mean, const float* cos, const float* sin, float* out, int64_t heads,
-                                    int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
+                                    const float* steps, const float* mean, const float* cos, const float* sin,
+                                    float* out, int64_t heads, int64_t rows, int64_t out_stride, int64_t tokens,
+                                    int64_t stages,
                                     int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end,
                                     float scaling, float* keys, const ConditionalKeySums& spec, const float* mask,
                                     float* peaks, float* sums) {
   const int64_t n = end - begin;
   for (int64_t h = 0; h < heads; ++h) {
-    conditional_scores_tile<kDim>(q, codes, scales, table, steps, mean, cos, sin, out, heads, h, rows, out_stride, tokens,
-                                  stages, codebook_size, table_rows, begin, end, scaling,
+    conditional_scores_tile<kDim>(q, codes, scales, table, steps, mean, cos, sin, out, heads, h, rows, out_stride,
+                                  tokens, stages, codebook_size, table_rows, begin, end, scaling,
                                   keys + h * spec.tile_tokens * kDim, true);
   }
   const int64_t all_rows = heads * rows;
@@ -692,8 +702,9 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
 // fused loop for values coded given the keys (ConditionalKeySums).
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
-                             const c10::optional<at::Tensor>& table_step, const at::Tensor& mean, const at::Tensor& cos, const at::Tensor& sin,
-                             int64_t codebook_size, double scaling, float* op, int64_t out_stride,
+                             const c10::optional<at::Tensor>& table_step, const at::Tensor& mean,
+                             const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size, double scaling,
+                             float* op, int64_t out_stride,
                              const ConditionalKeySums* key_sums = nullptr) {
   check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
         "unexpected ranks for conditional keys");
@@ -776,11 +787,13 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
         const float* sini = sinp + b * tokens * dim;
         float* oi = op + b * heads * rows * out_stride;
         if (dim == 64) {
-          conditional_scores_tile<64>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                      stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
+          conditional_scores_tile<64>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows,
+                                      out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale,
+                                      partial.get(), false);
         } else {
-          conditional_scores_tile<128>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows, out_stride, tokens,
-                                       stages, codebook_size, table_rows, begin, end, scale, partial.get(), false);
+          conditional_scores_tile<128>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows,
+                                       out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale,
+                                       partial.get(), false);
         }
       }
     });

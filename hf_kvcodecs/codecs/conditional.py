@@ -223,10 +223,11 @@ class ConditionalHeadResidualVQ:
         stage_groups = torch.stack([groups for *_, groups in parts])
         return tuple(t.contiguous() for t in (means, synthesis, codebooks, stage_groups))
 
-    def conditional_key_table(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table in ``dtype``, mean) as the compiled CPU attention reads keys (``decode_attention(...,
-        conditional_keys=True)``): ``kernels.cpu.conditional_key_table`` of the full-rate codec's operands (lower rates
-        read a prefix of every slice) and the mean pairs as ``[H, H*D]`` (float32)."""
+    def conditional_key_table(self, dtype: torch.dtype = torch.float32) -> tuple:
+        """(table in ``dtype`` (``torch.int16``: a ``kernels.cpu.FixedPointKeyTable``), mean) as the compiled CPU
+        attention reads keys (``decode_attention(..., conditional_keys=True)``): ``kernels.cpu.conditional_key_table``
+        of the full-rate codec's operands (lower rates read a prefix of every slice) and the mean pairs as ``[H, H*D]``
+        (float32)."""
         source = self._table_source or self
         cached = source._key_table
         if cached is None or cached[0].device != self.predictors.device or cached[0].dtype != dtype:

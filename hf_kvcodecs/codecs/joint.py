@@ -58,7 +58,7 @@ class JointHeadResidualVQ:
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _table_source: "JointHeadResidualVQ | None" = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
-    _folded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
 
     code_heads = 1  # rows of codes per token: one, shared by all heads
 

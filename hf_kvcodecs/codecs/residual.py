@@ -65,7 +65,7 @@ class TransformResidualVQ:
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
     _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
-    _folded: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
     _centre: torch.Tensor | None = field(default=None, repr=False, compare=False)  # see _coding_space_mean
 
@@ -227,8 +227,9 @@ class TransformResidualVQ:
 
     def folded_table(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[H, S'*K, D]`` codebooks times each head's synthesis matrix (``S' >= num_stages``: shared with the
-        higher-rate codec this one is a prefix of), in ``dtype``. Built once (per dtype asked last); the CPU attention
-        reconstructs keys from it."""
+        higher-rate codec this one is a prefix of), in ``dtype`` (``torch.int16``: a
+        ``kernels.cpu.FixedPointKeyTable``). Built once (per dtype asked last); the CPU attention reconstructs keys
+        from it."""
         if self._table_source is not None:
             return self._table_source.folded_table(dtype)
         folded = self._folded
