@@ -244,24 +244,41 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
   }
 }
 
-// The same over a fixed-point table (kernels/cpu.py: fixed_point_key_table): int16 rows, row element d standing for
-// step[d] times its value, and no sum of a token's rows can leave int16 (the steps are chosen so). The S rows add in
-// 16-bit lanes, twice as many per register as float lanes and with no widening per row; the sum is widened and scaled
-// once per key. On the AVX2 machine, 1.1x faster per layer at 4K tokens than float16 rows (which widen each row).
+// key = mean + step * (the sum of a token's S rows of a fixed-point table: kernels/cpu.py's FixedPointKeyTable, int16
+// rows, row element d standing for step[d] times its value, and no sum of a token's rows can leave int16: the steps
+// are chosen so). The rows add in 16-bit lanes, twice as many per register as float lanes and with no widening per
+// row; the sum is widened and scaled once per key. On the AVX2 machine, 1.1x faster per layer at 4K tokens than
+// float16 rows (which widen each row).
+template <int64_t kDim>
+inline void add_fixed_point_rows(const int16_t* table, const uint8_t* token_codes, int64_t stages,
+                                 int64_t codebook_size, const Vec* mean, const Vec* step, Vec* key) {
+  constexpr int64_t kWide = 2 * kLanes, kWideBlocks = kDim / kWide;
+  typedef int16_t VecW __attribute__((vector_size(kWide * sizeof(int16_t)), aligned(2)));
+  typedef int16_t VecN __attribute__((vector_size(kLanes * sizeof(int16_t)), aligned(2)));
+  VecW sum[kWideBlocks] = {};
+  for (int64_t s = 0; s < stages; ++s) {
+    const VecW* row = reinterpret_cast<const VecW*>(table + (s * codebook_size + token_codes[s]) * kDim);
+    for (int64_t w = 0; w < kWideBlocks; ++w) sum[w] += row[w];
+  }
+  alignas(64) int16_t sums[kDim];
+  for (int64_t w = 0; w < kWideBlocks; ++w) *reinterpret_cast<VecW*>(sums + w * kWide) = sum[w];
+  for (int64_t b = 0; b < kDim / kLanes; ++b) {
+    const VecN narrow = *reinterpret_cast<const VecN*>(sums + b * kLanes);
+    key[b] = mean[b] + step[b] * __builtin_convertvector(__builtin_convertvector(narrow, VecI), Vec);
+  }
+}
+
+// prerope_scores_block_vec over a fixed-point table.
 template <int64_t kDim>
 void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const HeadScales& scales, const int16_t* table,
                                 const float* step, const float* mean, const float* cos, const float* sin, float* out,
                                 int64_t rows, int64_t out_stride, int64_t stages, int64_t codebook_size, int64_t begin,
                                 int64_t end, float scaling) {
-  constexpr int64_t kBlocks = kDim / kLanes, kWide = 2 * kLanes, kWideBlocks = kDim / kWide;
-  typedef int16_t VecW __attribute__((vector_size(kWide * sizeof(int16_t)), aligned(2)));
-  typedef int16_t VecN __attribute__((vector_size(kLanes * sizeof(int16_t)), aligned(2)));
-  Vec mean_blocks[kBlocks], step_blocks[kBlocks];
-  for (int64_t b = 0; b < kBlocks; ++b) {
+  Vec mean_blocks[kDim / kLanes], step_blocks[kDim / kLanes];
+  for (int64_t b = 0; b < kDim / kLanes; ++b) {
     mean_blocks[b] = load(mean + b * kLanes);
     step_blocks[b] = load(step + b * kLanes);
   }
-  alignas(64) int16_t sums[kDim];
   TokenGroupScores group;
   const bool grouped = rows <= kMaxGroupedRows;
   for (int64_t t = begin; t < end; ++t) {
@@ -270,17 +287,8 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
       const uint8_t* ahead = codes + (t + kPrefetchDistance) * stages;
       for (int64_t s = 0; s < stages; ++s) prefetch_row<kDim>(table + (s * codebook_size + ahead[s]) * kDim);
     }
-    VecW sum[kWideBlocks] = {};
-    for (int64_t s = 0; s < stages; ++s) {
-      const VecW* row = reinterpret_cast<const VecW*>(table + (s * codebook_size + token_codes[s]) * kDim);
-      for (int64_t w = 0; w < kWideBlocks; ++w) sum[w] += row[w];
-    }
-    for (int64_t w = 0; w < kWideBlocks; ++w) *reinterpret_cast<VecW*>(sums + w * kWide) = sum[w];
-    Vec key[kBlocks];
-    for (int64_t b = 0; b < kBlocks; ++b) {
-      const VecN narrow = *reinterpret_cast<const VecN*>(sums + b * kLanes);
-      key[b] = mean_blocks[b] + step_blocks[b] * __builtin_convertvector(__builtin_convertvector(narrow, VecI), Vec);
-    }
+    Vec key[kDim / kLanes];
+    add_fixed_point_rows<kDim>(table, token_codes, stages, codebook_size, mean_blocks, step_blocks, key);
     if (!grouped) {
       rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
       continue;
@@ -308,22 +316,13 @@ template <int64_t kDim, typename Table>
 inline void add_source_rows(const Table* slice, const float* step, const float* source_mean,
                             const uint8_t* token_codes, int64_t stages, int64_t codebook_size, Vec* part) {
   constexpr int64_t kBlocks = kDim / kLanes;
-  if constexpr (std::is_same_v<Table, int16_t>) {  // as in prerope_scores_block_fixed
-    constexpr int64_t kWide = 2 * kLanes, kWideBlocks = kDim / kWide;
-    typedef int16_t VecW __attribute__((vector_size(kWide * sizeof(int16_t)), aligned(2)));
-    typedef int16_t VecN __attribute__((vector_size(kLanes * sizeof(int16_t)), aligned(2)));
-    VecW sum[kWideBlocks] = {};
-    for (int64_t s = 0; s < stages; ++s) {
-      const VecW* row = reinterpret_cast<const VecW*>(slice + (s * codebook_size + token_codes[s]) * kDim);
-      for (int64_t w = 0; w < kWideBlocks; ++w) sum[w] += row[w];
-    }
-    alignas(64) int16_t sums[kDim];
-    for (int64_t w = 0; w < kWideBlocks; ++w) *reinterpret_cast<VecW*>(sums + w * kWide) = sum[w];
+  if constexpr (std::is_same_v<Table, int16_t>) {
+    Vec mean_blocks[kBlocks], step_blocks[kBlocks];
     for (int64_t b = 0; b < kBlocks; ++b) {
-      const VecN narrow = *reinterpret_cast<const VecN*>(sums + b * kLanes);
-      part[b] = load(source_mean + b * kLanes) +
-                load(step + b * kLanes) * __builtin_convertvector(__builtin_convertvector(narrow, VecI), Vec);
+      mean_blocks[b] = load(source_mean + b * kLanes);
+      step_blocks[b] = load(step + b * kLanes);
     }
+    add_fixed_point_rows<kDim>(slice, token_codes, stages, codebook_size, mean_blocks, step_blocks, part);
   } else {
     for (int64_t b = 0; b < kBlocks; ++b) part[b] = load(source_mean + b * kLanes);
     for (int64_t s = 0; s < stages; ++s) {
