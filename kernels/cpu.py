@@ -248,7 +248,7 @@ def prerope_decode_attention(
 
     ``native`` is :func:`.cpu_native.native_ops`; arguments as ``coded_attention`` takes them, with the folded
     ``key_table`` (a tensor or a :class:`FixedPointKeyTable`) and the coded tokens' ``rotary_cos``/``rotary_sin``
-    given. The CPU kernel of ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on
+    given, ``[B, N, D]`` or just their first halves ``[B, N, D/2]`` (what the loops read). The CPU kernel of ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on
     CPU, which calls it without the Python custom op's dispatch (about 60 us per layer and step with this many
     arguments).
 
@@ -275,6 +275,8 @@ def prerope_decode_attention(
     if value_scale_levels is None:
         value_scales = value_scales.float()
     no_tokens = q.new_empty(batch, kv_heads, 0, dim)
+    if rotary_cos.shape[-1] == dim:  # the loops read one half of each row (both halves hold the same angles)
+        rotary_cos, rotary_sin = rotary_cos[..., :dim // 2], rotary_sin[..., :dim // 2]
     fixed_point = isinstance(key_table, FixedPointKeyTable)
     out, lse = native.decode_attention(
         q, key_codes.contiguous(), key_scales.contiguous(), key_scale_levels,

@@ -150,8 +150,8 @@ struct HeadScales {
 };
 
 // One rebuilt pre-RoPE key: rotated with its token's cos/sin, dotted with `rows` query rows, each score times
-// `factor` into out[m * out_stride]. Only the first half of each rotary row is read: in the rotate-half convention
-// both halves hold the same angles.
+// `factor` into out[m * out_stride]. `c`/`n` hold the token's D/2 rotary cos/sin: in the rotate-half convention both
+// halves of a key use the same angles.
 template <int64_t kDim>
 inline void rotate_key(const Vec* key, const float* c, const float* n, Vec* rotated) {
   constexpr int64_t kHalf = kDim / kLanes / 2;
@@ -240,7 +240,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
       const Table* row = table + (s * codebook_size + token_codes[s]) * kDim;
       for (int64_t b = 0; b < kBlocks; ++b) key[b] += load_row(row + b * kLanes);
     }
-    rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
+    rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride, scales[t] * scaling);
   }
 }
 
@@ -290,10 +290,10 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
     Vec key[kDim / kLanes];
     add_fixed_point_rows<kDim>(table, token_codes, stages, codebook_size, mean_blocks, step_blocks, key);
     if (!grouped) {
-      rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, out + t, out_stride, scales[t] * scaling);
+      rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride, scales[t] * scaling);
       continue;
     }
-    group.add<kDim>(key, cos + t * kDim, sin + t * kDim, q, rows, t, scales[t] * scaling);
+    group.add<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, t, scales[t] * scaling);
     if (group.count == kLanes || t + 1 == end) group.flush(out, rows, out_stride);
   }
 }
@@ -382,10 +382,10 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
         for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(keep + b * kLanes) = key[b];
       }
       if (!grouped) {
-        rotate_and_score<kDim>(key, cos + t * kDim, sin + t * kDim, qh, rows, out_h + t, out_stride, scaling);
+        rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, qh, rows, out_h + t, out_stride, scaling);
         continue;
       }
-      group.add<kDim>(key, cos + t * kDim, sin + t * kDim, qh, rows, t, scaling);
+      group.add<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, qh, rows, t, scaling);
       if (group.count == kLanes || t + 1 == end) group.flush(out_h, rows, out_stride);
     }
     block += (heads - j) * slice_elements;
@@ -420,8 +420,8 @@ void prerope_scores_block(const float* q, const uint8_t* codes, const HeadScales
         for (int64_t d = 0; d < dim; ++d) key[d] += static_cast<float>(row[d]);
       }
     }
-    const float* c = cos + t * dim;
-    const float* n = sin + t * dim;
+    const float* c = cos + t * half;
+    const float* n = sin + t * half;
     for (int64_t d = 0; d < half; ++d) {
       rotated[d] = key[d] * c[d] - key[d + half] * n[d];
       rotated[d + half] = key[d + half] * c[d] + key[d] * n[d];
@@ -486,11 +486,12 @@ HeadScales head_scales(const at::Tensor& scales, const c10::optional<at::Tensor>
           scale_levels->const_data_ptr<float>() + h * scale_levels->size(1)};
 }
 
-// Both key loops: rotary tables [B, N, D] for the coded tokens, and score rows long enough to hold them.
+// Both key loops: rotary tables [B, N, D/2] for the coded tokens (one half of transformers' [B, N, D] tables: in the
+// rotate-half convention both halves hold the same angles), and score rows long enough to hold them.
 void check_rotary_and_scores(const at::Tensor& cos, const at::Tensor& sin, int64_t batch, int64_t tokens, int64_t dim,
                              int64_t out_stride) {
-  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim && sin.sizes() == cos.sizes(),
-        "rotary tables do not match the coded tokens");
+  check(cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim / 2 && sin.sizes() == cos.sizes(),
+        "rotary tables do not match the coded tokens (expected [batch, tokens, head_dim / 2])");
   check(out_stride >= tokens, "score rows shorter than the coded tokens");
 }
 
@@ -518,7 +519,7 @@ void with_table_rows(const at::Tensor& table, const Body& body) {
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
 // table [H, R, D] f32 or f16 (R >= S * K), or i16 with table_step [H, D] f32 (fixed point);
-// mean [H, D] f32; cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
+// mean [H, D] f32; cos, sin [B, N, D/2] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]
 void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                          const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
                          const c10::optional<at::Tensor>& table_step, const at::Tensor& mean, const at::Tensor& cos,
@@ -569,8 +570,8 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
       const uint8_t* ci = cp + (b * code_heads + h % code_heads) * tokens * stages;
       const HeadScales si = head_scales(scales, scale_levels, b, h);
       const float* mi = mp + h * dim;
-      const float* cosi = cosp + b * tokens * dim;
-      const float* sini = sinp + b * tokens * dim;
+      const float* cosi = cosp + b * tokens * dim / 2;
+      const float* sini = sinp + b * tokens * dim / 2;
       float* oi = op + bh * rows * out_stride;
       const float* stepi = fixed_point ? step_rows + h * dim : nullptr;
       with_table_rows</*kFixedPoint=*/true>(table, [&](const auto* rows_begin) {
@@ -697,7 +698,7 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
 // Conditional keys: q [B, H, M, D] f32 (D 64 or 128); codes [B, H, N, S] u8; scales [B, H, N] f32 (or u8 with
 // scale_levels [H, 256] f32); table flat f32 or f16, slices (j, h) for j = 0..H-1, h = j..H-1 in that order, each
 // [R, D] (R >= S * K); mean [H, H*D] f32;
-// cos, sin [B, N, D] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]; with `key_sums`, the
+// cos, sin [B, N, D/2] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]; with `key_sums`, the
 // fused loop for values coded given the keys (ConditionalKeySums).
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
@@ -761,7 +762,7 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
           const auto run =
               dim == 64 ? conditional_tile_with_key_sums<64, Table> : conditional_tile_with_key_sums<128, Table>;
           run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, step_rows, mp,
-              cosp + b * tokens * dim, sinp + b * tokens * dim, op + b * heads * rows * out_stride, heads, rows,
+              cosp + b * tokens * dim / 2, sinp + b * tokens * dim / 2, op + b * heads * rows * out_stride, heads, rows,
               out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
               peaks, sums);
         }
@@ -782,8 +783,8 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
         for (int64_t j = 0; j <= h; ++j) head_scale[j] = head_scales(scales, scale_levels, b, j);
         const float* qi = qp + b * heads * rows * dim;
         const uint8_t* ci = cp + b * heads * tokens * stages;
-        const float* cosi = cosp + b * tokens * dim;
-        const float* sini = sinp + b * tokens * dim;
+        const float* cosi = cosp + b * tokens * dim / 2;
+        const float* sini = sinp + b * tokens * dim / 2;
         float* oi = op + b * heads * rows * out_stride;
         if (dim == 64) {
           conditional_scores_tile<64>(qi, ci, head_scale, tp, step_rows, mp, cosi, sini, oi, heads, h, rows,

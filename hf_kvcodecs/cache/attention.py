@@ -81,7 +81,6 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     conditional = isinstance(key_codec, ConditionalHeadResidualVQ)  # always coded before RoPE
     pre_rope = layer.key_space == "pre_rope"
     on_cpu = query.device.type == "cpu"
-    rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     key_scales, key_levels = _scales_and_levels(key_codec, layer.key_scales, query.device)
     value_scales, value_levels = _scales_and_levels(value_codec, layer.value_scales, query.device)
     native = _native_loop(layer, query)
@@ -100,7 +99,8 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
         else:
             value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
         out, _ = prerope_decode_attention(
-            native, query, layer.key_codes, key_scales, key_levels, key_table, key_mean, *rotary,
+            native, query, layer.key_codes, key_scales, key_levels, key_table, key_mean,
+            *layer._cos_sin_halves(sinks, sinks + codes),  # shared by all layers
             key_codec.codebook_size if conditional else key_codec.codebooks.shape[1], layer.value_codes,
             value_scales, value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, coded_mask,
             scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional, value_prediction=prediction,
@@ -115,6 +115,7 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     table_dtype = float_key_table_dtype(native_key_table_dtype()) if native_ops() is not None else torch.float32
     key_table = _cpu_key_table(key_codec, table_dtype)[0] if wants_table else None
     values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
+    rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     out, _ = coded_attention(
         query, layer.key_codes, key_scales, layer.value_codes, value_scales,
         *key_codec.attention_operands(),

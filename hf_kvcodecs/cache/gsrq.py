@@ -26,7 +26,7 @@ from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_bit_rate, check_encoder_options,
 )
 from ..integrations.attention import CODE_LAYER_ATTRIBUTE, is_code_attention
-from .rope import apply_rope, rotary_cos_sin, undo_rope
+from .rope import apply_rope, rotary_cos_sin, shared_rotary_half_table, undo_rope
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class PositionLedger:
         self.positions: torch.Tensor | None = None
         self.leading_padding = 0  # the longest left padding of the first call's rows (see _left_padding)
         self._angles = None  # ((start, end), (cos, sin)) shared by the layers during one forward pass
+        self._halves = None  # the same for rotary_halves
+        self.rotary_table = None  # a RotaryHalfTable, set by GSRQCache where keys are coded before RoPE
 
     def append(self, position_ids: torch.Tensor | None, batch_size: int, new_tokens: int, device, *,
                only_sinks_held: bool = False) -> None:
@@ -86,8 +88,18 @@ class PositionLedger:
             self._angles = (key, rotary_cos_sin(self.positions[:, start:end], inv_freq, attention_scaling))
         return self._angles[1]
 
+    def rotary_halves(self, start: int, end: int):
+        """:meth:`rotary_angles` as the compiled CPU loops take them: ``[B, T, D/2]`` (one half of each row), from
+        the shared :class:`RotaryHalfTable` (views of it where the positions are consecutive)."""
+        if self.positions is None or self.positions.shape[1] < end or self.rotary_table is None:
+            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
+        key = (start, end)
+        if self._halves is None or self._halves[0] != key:
+            self._halves = (key, self.rotary_table.halves(self.positions[:, start:end]))
+        return self._halves[1]
+
     def forget_angles(self) -> None:
-        self._angles = None
+        self._angles = self._halves = None
 
 
 def _left_padding(positions: torch.Tensor) -> int:
@@ -285,6 +297,9 @@ class GSRQLayer(CacheLayerMixin):
 
     def _cos_sin(self, start: int, end: int):
         return self.ledger.rotary_angles(start, end, self.rope_inv_freq, self.rope_attention_scaling)
+
+    def _cos_sin_halves(self, start: int, end: int):
+        return self.ledger.rotary_halves(start, end)
 
     @property
     def _values_need_keys(self) -> bool:
@@ -503,6 +518,9 @@ class GSRQCache(Cache):
         key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
         value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()
+        if self.codebooks.key_space == "pre_rope":
+            self.ledger.rotary_table = shared_rotary_half_table(self.codebooks.rope_inv_freq,
+                                                                self.codebooks.rope_attention_scaling)
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
         layer_settings = dict(
             ledger=self.ledger,
@@ -593,7 +611,7 @@ class GSRQCache(Cache):
         return copied
 
     def _model_level_state(self) -> list:
-        state = [self.codebooks, self.text_config]
+        state = [self.codebooks, self.text_config, self.ledger.rotary_table]
         for layer in self.layers:
             state += [layer.key_codec, layer.value_codec, layer.rope_inv_freq]
         return [item for item in state if item is not None]
