@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -266,31 +268,93 @@ def prerope_decode_attention(
     the key loop then forms the attention-weighted sums of the keys it rebuilds, tile by tile, and the prediction
     is those sums times the predictor, with no histogram of the key codes (``ConditionalKeySums`` in
     ``cpu_native.cpp``)."""
+    prediction_codes = prediction_scales = None
+    if value_prediction is not None:
+        prediction_codes, prediction_scales, *value_prediction = value_prediction
+    constants = decode_constants(key_scale_levels, key_table, key_mean, codebook_size, value_scale_levels,
+                                 value_codebooks, value_stage_groups, value_mean, value_synthesis,
+                                 conditional_keys=conditional_keys, value_prediction=value_prediction,
+                                 value_predictor=value_predictor)
+    return decode_with_constants(native, constants, query, key_codes, key_scales, value_codes, value_scales,
+                                 rotary_cos, rotary_sin, mask, scaling, exact_keys, exact_values, exact_mask,
+                                 prediction_codes, prediction_scales)
+
+
+class DecodeConstants(NamedTuple):
+    """The operands of ``decode_attention`` that depend only on a layer's codecs, in the form the compiled call reads
+    (see :func:`decode_constants`). A GSRQ layer builds them once and passes them at every step: converting and
+    checking them per call was about a third of the Python around each layer's call."""
+
+    key_scale_levels: torch.Tensor | None
+    key_table: torch.Tensor
+    key_table_step: torch.Tensor | None
+    key_mean: torch.Tensor
+    codebook_size: int
+    value_scale_levels: torch.Tensor | None
+    value_codebooks: torch.Tensor
+    value_stage_groups: torch.Tensor
+    value_mean: torch.Tensor
+    value_synthesis: torch.Tensor
+    conditional_keys: bool
+    prediction: tuple | None  # levels, codebooks, stage groups, mean, synthesis, bias
+    value_predictor: torch.Tensor | None
+
+
+def decode_constants(key_scale_levels, key_table, key_mean, codebook_size, value_scale_levels, value_codebooks,
+                     value_stage_groups, value_mean, value_synthesis, *, conditional_keys: bool = False,
+                     value_prediction=None, value_predictor=None) -> DecodeConstants:
+    """:class:`DecodeConstants` from :func:`prerope_decode_attention`'s arguments of the same names
+    (``value_prediction`` without its first two items, the key codes and scales)."""
+    fixed_point = isinstance(key_table, FixedPointKeyTable)
+    prediction = None
+    if value_prediction is not None:
+        levels, codebooks, stage_groups, mean, synthesis, bias = value_prediction
+        prediction = (levels, codebooks.float().contiguous(), stage_groups.long().contiguous(),
+                      mean.float().contiguous(), synthesis.float().contiguous(), bias.float().contiguous())
+    return DecodeConstants(
+        key_scale_levels, key_table.rows if fixed_point else _loop_table(key_table),
+        key_table.step if fixed_point else None, key_mean.float().contiguous(), int(codebook_size),
+        value_scale_levels, value_codebooks.float().contiguous(), value_stage_groups.long().contiguous(),
+        value_mean.float().contiguous(), value_synthesis.float().contiguous(), bool(conditional_keys), prediction,
+        None if value_predictor is None else value_predictor.float().contiguous())
+
+
+def decode_with_constants(native, constants: DecodeConstants, query, key_codes, key_scales, value_codes,
+                          value_scales, rotary_cos, rotary_sin, mask, scaling, exact_keys, exact_values, exact_mask,
+                          prediction_codes=None, prediction_scales=None):
+    """:func:`prerope_decode_attention` with the per-layer operands given as :class:`DecodeConstants`;
+    ``prediction_codes``/``prediction_scales``: the key codes and scales the value prediction reads, where
+    ``constants.prediction`` is set."""
     batch, query_heads, query_length, dim = query.shape
     kv_heads = key_scales.shape[1]  # scales are per head even where codes are shared by the heads
     rows = (query_heads // kv_heads) * query_length
     q = query.float().reshape(batch, kv_heads, rows, dim).contiguous()
-    if key_scale_levels is None:
+    if constants.key_scale_levels is None:
         key_scales = key_scales.float()
-    if value_scale_levels is None:
+    if constants.value_scale_levels is None:
         value_scales = value_scales.float()
-    no_tokens = q.new_empty(batch, kv_heads, 0, dim)
     if rotary_cos.shape[-1] == dim:  # the loops read one half of each row (both halves hold the same angles)
         rotary_cos, rotary_sin = rotary_cos[..., :dim // 2], rotary_sin[..., :dim // 2]
-    fixed_point = isinstance(key_table, FixedPointKeyTable)
+    prediction = (None,) * 8
+    if constants.prediction is not None:
+        levels, *tables = constants.prediction
+        prediction = (prediction_codes.contiguous(),
+                      (prediction_scales if levels is not None else prediction_scales.float()).contiguous(), levels,
+                      *tables)
+    no_tokens = None if exact_keys is not None else q.new_empty(batch, kv_heads, 0, dim)
+    extra = {} if constants.value_predictor is None else {"value_predictor": constants.value_predictor}
+    if constants.key_table_step is not None:
+        extra["key_table_step"] = constants.key_table_step
     out, lse = native.decode_attention(
-        q, key_codes.contiguous(), key_scales.contiguous(), key_scale_levels,
-        key_table.rows if fixed_point else _loop_table(key_table),
-        key_mean.float().contiguous(), rotary_cos.float().contiguous(), rotary_sin.float().contiguous(), codebook_size,
-        value_codes.contiguous(), value_scales.contiguous(), value_scale_levels, value_codebooks.float().contiguous(),
-        value_stage_groups.long().contiguous(), value_mean.float().contiguous(), value_synthesis.float().contiguous(),
+        q, key_codes.contiguous(), key_scales.contiguous(), constants.key_scale_levels, constants.key_table,
+        constants.key_mean, rotary_cos.float().contiguous(), rotary_sin.float().contiguous(),
+        constants.codebook_size, value_codes.contiguous(), value_scales.contiguous(), constants.value_scale_levels,
+        constants.value_codebooks, constants.value_stage_groups, constants.value_mean, constants.value_synthesis,
         _per_batch_row(mask, batch, query_length),
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),
         None if exact_keys is None else _per_batch_row(exact_mask, batch, query_length),
-        query_length, float(scaling), conditional_keys, *_prediction_operands(value_prediction),
-        **({} if value_predictor is None else {"value_predictor": value_predictor.float().contiguous()}),
-        **({"key_table_step": key_table.step} if fixed_point else {}),
+        query_length, float(scaling), constants.conditional_keys, *prediction, **extra,
     )
     return out.reshape(batch, query_heads, query_length, dim), lse.reshape(batch, query_heads, query_length)
 
@@ -300,15 +364,6 @@ def _loop_table(key_table: torch.Tensor) -> torch.Tensor:
     if key_table.dtype not in (torch.float16, torch.float32):
         key_table = key_table.float()
     return key_table.contiguous()
-
-
-def _prediction_operands(value_prediction) -> tuple:
-    if value_prediction is None:
-        return (None,) * 8
-    codes, scales, levels, codebooks, stage_groups, mean, synthesis, bias = value_prediction
-    return (codes.contiguous(), (scales if levels is not None else scales.float()).contiguous(), levels,
-            codebooks.float().contiguous(), stage_groups.long().contiguous(), mean.float().contiguous(),
-            synthesis.float().contiguous(), bias.float().contiguous())
 
 
 def _per_batch_row(mask, batch: int, query_length: int):

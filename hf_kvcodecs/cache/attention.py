@@ -9,13 +9,14 @@ off per decoded token.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
-from ..kernels.cpu import (conditional_native_supports, float_key_table_dtype, native_key_table_dtype,
-                           prerope_decode_attention)
+from ..kernels.cpu import (DecodeConstants, conditional_native_supports, decode_constants, decode_with_constants,
+                           float_key_table_dtype, native_key_table_dtype)
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
 
@@ -86,25 +87,14 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     native = _native_loop(layer, query)
     if native is not None:
         # what the CPU kernel of hf_kvcodecs::coded_attention ends in, without the custom op's Python dispatch
-        key_table, key_mean = _cpu_key_table(key_codec, native_key_table_dtype())
-        prediction = predictor = None
-        if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
-            value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
-            if conditional:  # the key loop forms the weighted key sums the predictor needs
-                predictor = value_codec.predictor
-            else:  # a histogram of the key codes per key head
-                key_heads = key_scales.shape[1]
-                prediction = (layer.key_codes.expand(-1, key_heads, -1, -1), key_scales, key_levels,
-                              *value_codec.attention_prediction(key_codec))
-        else:
-            value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
-        out, _ = prerope_decode_attention(
-            native, query, layer.key_codes, key_scales, key_levels, key_table, key_mean,
+        constants = _layer_decode_constants(layer, key_levels, value_levels)
+        prediction_codes = None
+        if constants.prediction is not None:  # values coded given the keys: a histogram of the key codes per head
+            prediction_codes = layer.key_codes.expand(-1, key_scales.shape[1], -1, -1)
+        out, _ = decode_with_constants(
+            native, constants, query, layer.key_codes, key_scales, layer.value_codes, value_scales,
             *layer._cos_sin_halves(sinks, sinks + codes),  # shared by all layers
-            key_codec.codebook_size if conditional else key_codec.codebooks.shape[1], layer.value_codes,
-            value_scales, value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, coded_mask,
-            scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional, value_prediction=prediction,
-            value_predictor=predictor,
+            coded_mask, scaling, exact_keys, exact_values, exact_mask, prediction_codes, key_scales,
         )
         return out.to(query.dtype)
     # CPU kernels rebuild pre-RoPE keys from the table (under torch.compile too); for conditional keys only the
@@ -127,6 +117,39 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
         key_levels, value_levels, value_codec.predictor if values_given_keys else None,
     )
     return out.to(query.dtype)
+
+
+# per layer: (what the constants were built from, DecodeConstants); weakly keyed so that a layer's deep copy or
+# memory count never sees them (they are views of its codecs' shared tables)
+_DECODE_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
+    """The layer's :class:`DecodeConstants`, built on its first decode step and again only if its codecs, the key
+    table dtype or the scales' form change."""
+    key_codec, value_codec = layer.key_codec, layer.value_codec
+    table_dtype = native_key_table_dtype()
+    source = (key_codec, value_codec, table_dtype, key_levels, value_levels)
+    held = _DECODE_CONSTANTS.get(layer)
+    if held is not None and all(a is b for a, b in zip(held[0], source)):
+        return held[1]
+    conditional = isinstance(key_codec, ConditionalHeadResidualVQ)
+    key_table, key_mean = _cpu_key_table(key_codec, table_dtype)
+    prediction = predictor = None
+    if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
+        value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
+        if conditional:  # the key loop forms the weighted key sums the predictor needs
+            predictor = value_codec.predictor
+        else:  # a histogram of the key codes per key head
+            prediction = (key_levels, *value_codec.attention_prediction(key_codec))
+    else:
+        value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
+    constants = decode_constants(
+        key_levels, key_table, key_mean, key_codec.codebook_size if conditional else key_codec.codebooks.shape[1],
+        value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, conditional_keys=conditional,
+        value_prediction=prediction, value_predictor=predictor)
+    _DECODE_CONSTANTS[layer] = (source, constants)
+    return constants
 
 
 def _cpu_key_table(key_codec, dtype: torch.dtype):
