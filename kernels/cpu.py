@@ -16,7 +16,6 @@ Larger query blocks (prefill) go to the reference.
 from __future__ import annotations
 
 import os
-
 from typing import NamedTuple
 
 import torch
@@ -250,9 +249,10 @@ def prerope_decode_attention(
 
     ``native`` is :func:`.cpu_native.native_ops`; arguments as ``coded_attention`` takes them, with the folded
     ``key_table`` (a tensor or a :class:`FixedPointKeyTable`) and the coded tokens' ``rotary_cos``/``rotary_sin``
-    given, ``[B, N, D]`` or just their first halves ``[B, N, D/2]`` (what the loops read). The CPU kernel of ``hf_kvcodecs::coded_attention`` ends here, and so does the GSRQ cache's attention on
-    CPU, which calls it without the Python custom op's dispatch (about 60 us per layer and step with this many
-    arguments).
+    given, ``[B, N, D]`` or just their first halves ``[B, N, D/2]`` (what the loops read). The CPU kernel of
+    ``hf_kvcodecs::coded_attention`` ends here; the GSRQ cache's attention on CPU calls
+    :func:`decode_with_constants` directly, without the Python custom op's dispatch (about 60 us per layer and step
+    with this many arguments).
 
     ``conditional_keys``: the keys are coded head by head, each conditionally on the heads before it; ``key_table``
     is then :func:`conditional_key_table`'s flat table and ``key_mean`` ``[H, H*D]`` (row ``j``: source head ``j``'s

@@ -240,7 +240,8 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
       const Table* row = table + (s * codebook_size + token_codes[s]) * kDim;
       for (int64_t b = 0; b < kBlocks; ++b) key[b] += load_row(row + b * kLanes);
     }
-    rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride, scales[t] * scaling);
+    rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride,
+                           scales[t] * scaling);
   }
 }
 
@@ -290,7 +291,8 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
     Vec key[kDim / kLanes];
     add_fixed_point_rows<kDim>(table, token_codes, stages, codebook_size, mean_blocks, step_blocks, key);
     if (!grouped) {
-      rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride, scales[t] * scaling);
+      rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, out + t, out_stride,
+                             scales[t] * scaling);
       continue;
     }
     group.add<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, q, rows, t, scales[t] * scaling);
@@ -382,7 +384,8 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
         for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(keep + b * kLanes) = key[b];
       }
       if (!grouped) {
-        rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, qh, rows, out_h + t, out_stride, scaling);
+        rotate_and_score<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, qh, rows, out_h + t, out_stride,
+                               scaling);
         continue;
       }
       group.add<kDim>(key, cos + t * kDim / 2, sin + t * kDim / 2, qh, rows, t, scaling);

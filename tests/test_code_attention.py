@@ -82,6 +82,37 @@ def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir)
     assert caches["codes"].ledger._angles is None  # the step's rotary tables are released after the last layer
 
 
+def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_dtype(model, tiny_codebooks_dir,
+                                                                                     monkeypatch):
+    """The operands the compiled loop reads that depend only on a layer's codecs are built once per layer, hold no
+    copy of the codecs' tables (they would be per-cache memory no report counts), and are rebuilt when the key table
+    dtype changes."""
+    from hf_kvcodecs.bench.memory import tensor_storages
+    from hf_kvcodecs.cache.attention import _DECODE_CONSTANTS
+    from hf_kvcodecs.kernels.cpu_native import native_ops
+
+    if native_ops() is None:
+        pytest.skip("the compiled CPU loops could not be built here")
+    enable_code_attention(model)
+    monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "int16")  # the library's default (the suite reads float32)
+    ids = _prompt(batch=1, length=40)
+    cache = GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED)
+    with torch.inference_mode():
+        model(ids[:, :30], cache=cache)
+        model(ids[:, 30:31], cache=cache)
+        layer = cache.layers[0]
+        first = _DECODE_CONSTANTS[layer][1]
+        model(ids[:, 31:32], cache=cache)
+        assert _DECODE_CONSTANTS[layer][1] is first
+        held_by_codecs = set(tensor_storages(layer.key_codec)) | set(tensor_storages(layer.value_codec))
+        assert tensor_storages(list(first)) and set(tensor_storages(list(first))) <= held_by_codecs
+        assert first.key_table.dtype == torch.int16 and first.key_table_step is not None
+        monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "float32")
+        model(ids[:, 32:33], cache=cache)
+        rebuilt = _DECODE_CONSTANTS[layer][1]
+        assert rebuilt is not first and rebuilt.key_table.dtype == torch.float32 and rebuilt.key_table_step is None
+
+
 def test_bf16_model_reads_codes_within_the_dequantize_paths_bf16_error(model, tiny_codebooks_dir):
     """A bf16 model (the bench's same-dtype row): the code path computes in fp32 from bf16 queries and exact tokens,
     the dequantize path attends in bf16. Both are held against the fp32 model's dequantize path (same codebooks):

@@ -92,7 +92,8 @@ class PositionLedger:
         """:meth:`rotary_angles` as the compiled CPU loops take them: ``[B, T, D/2]`` (one half of each row), from
         the shared :class:`RotaryHalfTable` (views of it where the positions are consecutive)."""
         if self.positions is None or self.positions.shape[1] < end or self.rotary_table is None:
-            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
+            raise RuntimeError("GSRQCache position ledger is behind its layers (or keys are not coded before RoPE); "
+                               "update layers through GSRQCache.update.")
         key = (start, end)
         if self._halves is None or self._halves[0] != key:
             self._halves = (key, self.rotary_table.halves(self.positions[:, start:end]))
