@@ -81,23 +81,26 @@ class PositionLedger:
     def rotary_angles(self, start: int, end: int, inv_freq: torch.Tensor, attention_scaling: float):
         """cos/sin for the tokens in slots ``[start, end)``; every layer asks for the same range in one forward
         pass, so the result is kept until :meth:`forget_angles` (called once the last layer is done)."""
-        if self.positions is None or self.positions.shape[1] < end:
-            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through GSRQCache.update.")
-        key = (start, end)
-        if self._angles is None or self._angles[0] != key:
-            self._angles = (key, rotary_cos_sin(self.positions[:, start:end], inv_freq, attention_scaling))
-        return self._angles[1]
+        return self._kept("_angles", start, end,
+                          lambda positions: rotary_cos_sin(positions, inv_freq, attention_scaling))
 
     def rotary_halves(self, start: int, end: int):
         """:meth:`rotary_angles` as the compiled CPU loops take them: ``[B, T, D/2]`` (one half of each row), from
         the shared :class:`RotaryHalfTable` (views of it where the positions are consecutive)."""
-        if self.positions is None or self.positions.shape[1] < end or self.rotary_table is None:
-            raise RuntimeError("GSRQCache position ledger is behind its layers (or keys are not coded before RoPE); "
-                               "update layers through GSRQCache.update.")
-        key = (start, end)
-        if self._halves is None or self._halves[0] != key:
-            self._halves = (key, self.rotary_table.halves(self.positions[:, start:end]))
-        return self._halves[1]
+        if self.rotary_table is None:
+            raise RuntimeError("GSRQCache has no rotary table: its keys are not coded before RoPE.")
+        return self._kept("_halves", start, end, self.rotary_table.halves)
+
+    def _kept(self, slot: str, start: int, end: int, compute):
+        """``compute(positions of slots [start, end))``, kept in ``slot`` for the rest of the forward pass."""
+        if self.positions is None or self.positions.shape[1] < end:
+            raise RuntimeError("GSRQCache position ledger is behind its layers; update layers through "
+                               "GSRQCache.update.")
+        held = getattr(self, slot)
+        if held is None or held[0] != (start, end):
+            held = ((start, end), compute(self.positions[:, start:end]))
+            setattr(self, slot, held)
+        return held[1]
 
     def forget_angles(self) -> None:
         self._angles = self._halves = None
