@@ -1288,12 +1288,331 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   return {out, lse};
 }
 
+constexpr int64_t kScoreBlocks = 4;
+constexpr int64_t kEncodeTileRows = 32;
+
+// a * b + c rounded once, in every loop that scores codewords: left to the compiler, one loop form was contracted
+// into fused multiply-adds and another was not, so two equal codewords could score differently and the search
+// broke their tie toward the later one. Scalar tails do the same operation.
+inline Vec multiply_add(float a, Vec b, Vec c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<Vec>(_mm512_fmadd_ps(_mm512_set1_ps(a), reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+#elif defined(__FMA__)
+  return reinterpret_cast<Vec>(_mm256_fmadd_ps(_mm256_set1_ps(a), reinterpret_cast<__m256>(b),
+                                               reinterpret_cast<__m256>(c)));
+#else
+  return a * b + c;  // no FMA unit: std::fma would be a slow library call
+#endif
+}
+inline float multiply_add(float a, float b, float c) {
+#if defined(__FMA__) || defined(__AVX512F__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// scores[b, k] = <r_b, c_k> - |c_k|^2 / 2 for `beams` residuals r [beams, g] and one stage's K codewords, transposed
+// (book_t [g, K]). Four residuals at a time share each load of codewords (a tile of 4 x 2 registers of sums): one
+// residual at a time, the loop issued a load per multiply-add and waited on the load ports. Each sum adds its g
+// products in the same order as the one-residual loop, so the scores, and the codes, are the same.
+constexpr int64_t kScoreBeams = 4;
+
+void one_residual_scores(const float* r, int64_t group_dim, const float* book_t, const float* half, int64_t size,
+                         float* scores) {
+  // kScoreBlocks registers of sums at once: one register's g dependent adds left the loop waiting on the adder's
+  // latency (3-4x slower on an AVX2 CPU)
+  int64_t k = 0;
+  for (; k + kScoreBlocks * kLanes <= size; k += kScoreBlocks * kLanes) {
+    Vec acc[kScoreBlocks];
+    for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] = -load(half + k + u * kLanes);
+    for (int64_t j = 0; j < group_dim; ++j) {
+      const float* words = book_t + j * size + k;
+      for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] = multiply_add(r[j], load(words + u * kLanes), acc[u]);
+    }
+    for (int64_t u = 0; u < kScoreBlocks; ++u) *reinterpret_cast<Vec*>(scores + k + u * kLanes) = acc[u];
+  }
+  for (; k + kLanes <= size; k += kLanes) {
+    Vec acc = -load(half + k);
+    for (int64_t j = 0; j < group_dim; ++j) acc = multiply_add(r[j], load(book_t + j * size + k), acc);
+    *reinterpret_cast<Vec*>(scores + k) = acc;
+  }
+  for (; k < size; ++k) {
+    float score = -half[k];
+    for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[j], book_t[j * size + k], score);
+    scores[k] = score;
+  }
+}
+
+void beam_scores(const float* residuals, int64_t beams, int64_t group_dim, const float* book_t, const float* half,
+                 int64_t size, float* scores) {
+  int64_t b = 0;
+  for (; b + kScoreBeams <= beams; b += kScoreBeams) {
+    const float* r = residuals + b * group_dim;
+    float* out = scores + b * size;
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= size; k += 2 * kLanes) {
+      Vec acc[kScoreBeams][2];
+      const Vec h0 = -load(half + k), h1 = -load(half + k + kLanes);
+      for (int64_t u = 0; u < kScoreBeams; ++u) {
+        acc[u][0] = h0;
+        acc[u][1] = h1;
+      }
+      for (int64_t j = 0; j < group_dim; ++j) {
+        const Vec w0 = load(book_t + j * size + k), w1 = load(book_t + j * size + k + kLanes);
+        for (int64_t u = 0; u < kScoreBeams; ++u) {
+          const float rj = r[u * group_dim + j];
+          acc[u][0] = multiply_add(rj, w0, acc[u][0]);
+          acc[u][1] = multiply_add(rj, w1, acc[u][1]);
+        }
+      }
+      for (int64_t u = 0; u < kScoreBeams; ++u) {
+        *reinterpret_cast<Vec*>(out + u * size + k) = acc[u][0];
+        *reinterpret_cast<Vec*>(out + u * size + k + kLanes) = acc[u][1];
+      }
+    }
+    for (; k < size; ++k) {
+      for (int64_t u = 0; u < kScoreBeams; ++u) {
+        float score = -half[k];
+        for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[u * group_dim + j], book_t[j * size + k], score);
+        out[u * size + k] = score;
+      }
+    }
+  }
+  for (; b < beams; ++b) {
+    one_residual_scores(residuals + b * group_dim, group_dim, book_t, half, size, scores + b * size);
+  }
+}
+
+// The last stage of a group keeps one path: the (beam b, codeword k) of least error |r_b - c_k|^2 = E_b - 2 score,
+// the first in (b, k) order among equal errors, as the ranked list's offers find it. Errors are formed in registers
+// and each lane keeps its running least error and its candidate's index: no scores stored, no branch per candidate
+// (the ranked list's "does any of these 8 enter?" branch was mispredicted often enough to cost more than the
+// arithmetic).
+struct NearestPath {
+  Vec error[2];
+  VecI index[2];  // b * K + k
+
+  NearestPath() {
+    for (int64_t v = 0; v < 2; ++v) {
+      error[v] = Vec{} + std::numeric_limits<float>::infinity();
+      index[v] = VecI{} + std::numeric_limits<int32_t>::max();
+    }
+  }
+  inline void offer(int64_t v, Vec e, VecI candidate) {
+    const VecI better = (e < error[v]) | ((e == error[v]) & (candidate < index[v]));
+    error[v] = better ? e : error[v];
+    index[v] = better ? candidate : index[v];
+  }
+  // the least error over the lanes, ties to the smallest index; scalar candidates (tails) join here
+  inline void best(float* best_error, int64_t* best_index, float tail_error, int64_t tail_index) const {
+    float e = tail_error;
+    int64_t i = tail_index;
+    for (int64_t v = 0; v < 2; ++v) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        if (error[v][l] < e || (error[v][l] == e && index[v][l] < i)) {
+          e = error[v][l];
+          i = index[v][l];
+        }
+      }
+    }
+    *best_error = e;
+    *best_index = i;
+  }
+};
+
+template <int64_t kBeams>
+inline void nearest_path_tile(const float* residuals, const float* energies, int64_t first_beam, int64_t group_dim,
+                              const float* book_t, const float* half, int64_t size, int64_t full_blocks,
+                              NearestPath& nearest) {
+  VecI lane;
+  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<int32_t>(l);
+  const float* r = residuals + first_beam * group_dim;
+  for (int64_t k = 0; k < full_blocks; k += 2 * kLanes) {
+    Vec acc[kBeams][2];
+    const Vec h0 = -load(half + k), h1 = -load(half + k + kLanes);
+    for (int64_t u = 0; u < kBeams; ++u) {
+      acc[u][0] = h0;
+      acc[u][1] = h1;
+    }
+    for (int64_t j = 0; j < group_dim; ++j) {
+      const Vec w0 = load(book_t + j * size + k), w1 = load(book_t + j * size + k + kLanes);
+      for (int64_t u = 0; u < kBeams; ++u) {
+        const float rj = r[u * group_dim + j];
+        acc[u][0] = multiply_add(rj, w0, acc[u][0]);
+        acc[u][1] = multiply_add(rj, w1, acc[u][1]);
+      }
+    }
+    for (int64_t u = 0; u < kBeams; ++u) {
+      const Vec energy = splat(energies[first_beam + u]);
+      const int32_t base = static_cast<int32_t>((first_beam + u) * size + k);
+      nearest.offer(0, energy - (acc[u][0] + acc[u][0]), lane + base);
+      nearest.offer(1, energy - (acc[u][1] + acc[u][1]), lane + (base + static_cast<int32_t>(kLanes)));
+    }
+  }
+}
+
+// residuals [beams, g] with their energies |r_b|^2 -> the least error and its b * K + k
+void nearest_path(const float* residuals, const float* energies, int64_t beams, int64_t group_dim,
+                  const float* book_t, const float* half, int64_t size, float* best_error, int64_t* best_index) {
+  NearestPath nearest;
+  const int64_t full_blocks = size - size % (2 * kLanes);
+  int64_t b = 0;
+  for (; b + kScoreBeams <= beams; b += kScoreBeams) {
+    nearest_path_tile<kScoreBeams>(residuals, energies, b, group_dim, book_t, half, size, full_blocks, nearest);
+  }
+  for (; b < beams; ++b) {
+    nearest_path_tile<1>(residuals, energies, b, group_dim, book_t, half, size, full_blocks, nearest);
+  }
+  float tail_error = std::numeric_limits<float>::infinity();
+  int64_t tail_index = std::numeric_limits<int64_t>::max();
+  for (int64_t t = 0; t < beams && full_blocks < size; ++t) {  // codewords past the last whole pair of registers
+    const float* r = residuals + t * group_dim;
+    for (int64_t k = full_blocks; k < size; ++k) {
+      float score = -half[k];
+      for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[j], book_t[j * size + k], score);
+      const float error = energies[t] - 2.f * score;
+      const int64_t index = t * size + k;
+      if (error < tail_error || (error == tail_error && index < tail_index)) {
+        tail_error = error;
+        tail_index = index;
+      }
+    }
+  }
+  nearest.best(best_error, best_index, tail_error, tail_index);
+}
+
+// Stages before a group's last: scores [beams, K] -> the `keep` paths of least error, sorted, in best_*; returns how
+// many were kept. Candidates enter the sorted list only if they beat its worst entry, so most cost one comparison.
+// One bit per lane of a comparison's result, lane l in bit l.
+inline uint32_t lane_bits(VecI mask) {
+#if defined(__AVX512F__)
+  return _mm512_cmpneq_epi32_mask(reinterpret_cast<__m512i>(mask), _mm512_setzero_si512());
+#elif defined(__AVX__)
+  return static_cast<uint32_t>(_mm256_movemask_ps(reinterpret_cast<__m256>(mask)));
+#else
+  uint32_t bits = 0;
+  for (int64_t l = 0; l < kLanes; ++l) bits |= (mask[l] != 0 ? 1u : 0u) << l;
+  return bits;
+#endif
+}
+
+// The sorted list's insertions are data-dependent branches, mispredicted often; most of them insert candidates that a
+// later one pushes out. So when keep <= kLanes, a first pass bounds the keep-th least error from above: each lane's
+// least error is a distinct candidate, so at least kLanes candidates lie at or below the largest of them. Only
+// candidates at or below that bound are offered, in the same (b, k) order, so the list, ties included, is the same.
+int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t beams, int64_t size, int64_t keep,
+                           float* best_error, int64_t* best_parent, int64_t* best_word) {
+  const int64_t blocks_end = size - size % kLanes;
+  Vec least = Vec{} + std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < beams; ++b) {
+    const Vec energy = splat(energies[b]);
+    const float* row = scores + b * size;
+    for (int64_t k = 0; k < blocks_end; k += kLanes) {
+      const Vec s = load(row + k);
+      const Vec e = energy - (s + s);
+      least = e < least ? e : least;
+    }
+  }
+  float bound = least[0];
+  for (int64_t l = 1; l < kLanes; ++l) bound = std::max(bound, least[l]);
+  const Vec bound_v = splat(bound);
+  int64_t kept = 0;
+  for (int64_t b = 0; b < beams; ++b) {
+    const float energy = energies[b];
+    const Vec energy_v = splat(energy);
+    const float* row = scores + b * size;
+    auto offer = [&](int64_t k, float error) {  // as in rank_paths
+      if (kept == keep && error >= best_error[keep - 1]) return;
+      int64_t slot = kept < keep ? kept++ : keep - 1;
+      while (slot > 0 && best_error[slot - 1] > error) {
+        best_error[slot] = best_error[slot - 1];
+        best_parent[slot] = best_parent[slot - 1];
+        best_word[slot] = best_word[slot - 1];
+        --slot;
+      }
+      best_error[slot] = error;
+      best_parent[slot] = b;
+      best_word[slot] = k;
+    };
+    for (int64_t k = 0; k < blocks_end; k += kLanes) {
+      const Vec s = load(row + k);
+      const Vec e = energy_v - (s + s);
+      for (uint32_t bits = lane_bits(e <= bound_v); bits != 0; bits &= bits - 1) {
+        const int64_t lane = __builtin_ctz(bits);
+        offer(k + lane, e[lane]);
+      }
+    }
+    for (int64_t k = blocks_end; k < size; ++k) {
+      const float error = energy - 2.f * row[k];
+      if (error <= bound) offer(k, error);
+    }
+  }
+  return kept;
+}
+
+int64_t rank_paths(const float* scores, const float* energies, int64_t beams, int64_t size, int64_t keep,
+                   float* best_error, int64_t* best_parent, int64_t* best_word) {
+  if (keep <= kLanes && size >= kLanes) {
+    return rank_paths_bounded(scores, energies, beams, size, keep, best_error, best_parent, best_word);
+  }
+  int64_t kept = 0;
+  for (int64_t b = 0; b < beams; ++b) {
+    const float r_energy = energies[b];
+    const float* beam_scores_row = scores + b * size;
+    auto offer = [&](int64_t k) {  // candidate k, in increasing k: ties keep the earlier one
+      const float error = r_energy - 2.f * beam_scores_row[k];  // |r - c|^2
+      if (kept == keep && error >= best_error[keep - 1]) return;
+      int64_t slot = kept < keep ? kept++ : keep - 1;
+      while (slot > 0 && best_error[slot - 1] > error) {
+        best_error[slot] = best_error[slot - 1];
+        best_parent[slot] = best_parent[slot - 1];
+        best_word[slot] = best_word[slot - 1];
+        --slot;
+      }
+      best_error[slot] = error;
+      best_parent[slot] = b;
+      best_word[slot] = k;
+    };
+    int64_t k = 0;
+    for (; k < size && kept < keep; ++k) offer(k);
+#if defined(__AVX512F__)
+    // Once the beam is full, few candidates beat its worst entry: compare 16 at a time and offer only
+    // those (same errors, same order as the scalar loop, so the same codes).
+    const __m512 energy_v = _mm512_set1_ps(r_energy);
+    for (; k + 16 <= size; k += 16) {
+      const __m512 s = _mm512_loadu_ps(beam_scores_row + k);
+      const __m512 error = _mm512_sub_ps(energy_v, _mm512_add_ps(s, s));
+      __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[keep - 1]), _CMP_LT_OQ);
+      while (below) {
+        offer(k + __builtin_ctz(below));
+        below &= below - 1;
+      }
+    }
+#elif defined(__AVX__)
+    // the same, 8 at a time
+    const __m256 energy_v = _mm256_set1_ps(r_energy);
+    for (; k + 8 <= size; k += 8) {
+      const __m256 s = _mm256_loadu_ps(beam_scores_row + k);
+      const __m256 error = _mm256_sub_ps(energy_v, _mm256_add_ps(s, s));
+      unsigned below = _mm256_movemask_ps(
+          _mm256_cmp_ps(error, _mm256_set1_ps(best_error[keep - 1]), _CMP_LT_OQ));
+      while (below) {
+        offer(k + __builtin_ctz(below));
+        below &= below - 1;
+      }
+    }
+#endif
+    for (; k < size; ++k) offer(k);
+  }
+  return kept;
+}
+
 // z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
 // extend each kept code path by every codeword, keep the beam_width smallest remaining errors (at the group's last
 // stage, only the smallest). Candidates enter a sorted list only if they beat its worst entry, so most cost one
 // comparison.
-constexpr int64_t kScoreBlocks = 4;
-
 at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks, const at::Tensor& stage_groups,
                                 int64_t beam_width) {
   check(z.dim() == 2 && codebooks.dim() == 3 && stage_groups.dim() == 1, "unexpected ranks");
@@ -1331,117 +1650,71 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
     members[found - group_order.begin()].push_back(s);
   }
   const int64_t width = beam_width;
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  size_t deepest = 1;
+  for (const auto& stage_list : members) deepest = std::max(deepest, stage_list.size());
+  // Rows are searched a tile at a time, group by group: a group's codebooks (8 KB per stage at K = 256, g = 8)
+  // stay in L1 across the tile's rows instead of every row streaming all S codebooks from L2 (the value codebooks
+  // of the default model are 368 KB). Tiles are small enough to give every thread work on a 32-token flush.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t tile_rows = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kEncodeTileRows);
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t first_tile, int64_t last_tile) {
     std::vector<float> residual(width * group_dim), next_residual(width * group_dim);
-    std::vector<float> best_error(width), scores(size);
+    std::vector<float> best_error(width), scores(width * size), energies(width);
     std::vector<int64_t> best_parent(width), best_word(width);
-    std::vector<int64_t> path_parent, path_word;  // [stage in group][beam]
-    for (int64_t row = first; row < last; ++row) {
-      const float* zr = zp + row * dim;
-      uint8_t* out = op + row * stages;
+    std::vector<int64_t> path_parent(deepest * width), path_word(deepest * width);  // [stage in group][beam]
+    for (int64_t tile = first_tile; tile < last_tile; ++tile) {
+      const int64_t first_row = tile * tile_rows, last_row = std::min(rows, first_row + tile_rows);
       for (size_t gi = 0; gi < group_order.size(); ++gi) {
         const int64_t group = group_order[gi];
         const auto& stage_list = members[gi];
-        int64_t beams = 1;
-        std::copy(zr + group * group_dim, zr + (group + 1) * group_dim, residual.begin());
-        path_parent.assign(stage_list.size() * width, 0);
-        path_word.assign(stage_list.size() * width, 0);
-        for (size_t depth = 0; depth < stage_list.size(); ++depth) {
-          const int64_t stage = stage_list[depth];
-          // The last stage of a group keeps only its best path (the one the group's code is read back from): the
-          // ranking of the rest is never used, and keeping it was most of the search's cost in one-stage groups
-          const int64_t keep = depth + 1 == stage_list.size() ? 1 : width;
-          const float* book_t = tp + stage * group_dim * size;
-          const float* half = hp + stage * size;
-          int64_t kept = 0;
-          for (int64_t b = 0; b < beams; ++b) {
-            const float* r = residual.data() + b * group_dim;
-            float r_energy = 0.f;
-            for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
-            // scores[k] = <r, c_k> - |c_k|^2 / 2, kLanes codewords at a time with their sums in one register, and
-            // kScoreBlocks such registers at once: one register's g dependent adds left the loop waiting on the
-            // adder's latency (3-4x slower on an AVX2 CPU)
-            int64_t first_tail = 0;
-            for (; first_tail + kScoreBlocks * kLanes <= size; first_tail += kScoreBlocks * kLanes) {
-              Vec acc[kScoreBlocks];
-              for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] = -load(half + first_tail + u * kLanes);
-              for (int64_t j = 0; j < group_dim; ++j) {
-                const float* words = book_t + j * size + first_tail;
-                for (int64_t u = 0; u < kScoreBlocks; ++u) acc[u] += r[j] * load(words + u * kLanes);
-              }
-              for (int64_t u = 0; u < kScoreBlocks; ++u) {
-                *reinterpret_cast<Vec*>(scores.data() + first_tail + u * kLanes) = acc[u];
-              }
+        for (int64_t row = first_row; row < last_row; ++row) {
+          const float* zr = zp + row * dim;
+          uint8_t* out = op + row * stages;
+          int64_t beams = 1;
+          std::copy(zr + group * group_dim, zr + (group + 1) * group_dim, residual.begin());
+          for (size_t depth = 0; depth < stage_list.size(); ++depth) {
+            const int64_t stage = stage_list[depth];
+            // The last stage of a group keeps only its best path (the one the group's code is read back from):
+            // the ranking of the rest is never used, and keeping it was most of the search's cost in one-stage
+            // groups
+            const int64_t keep = depth + 1 == stage_list.size() ? 1 : width;
+            const float* book_t = tp + stage * group_dim * size;
+            const float* half = hp + stage * size;
+            for (int64_t b = 0; b < beams; ++b) {
+              const float* r = residual.data() + b * group_dim;
+              float r_energy = 0.f;
+              for (int64_t j = 0; j < group_dim; ++j) r_energy += r[j] * r[j];
+              energies[b] = r_energy;
             }
-            for (; first_tail + kLanes <= size; first_tail += kLanes) {
-              Vec acc = -load(half + first_tail);
-              for (int64_t j = 0; j < group_dim; ++j) acc += r[j] * load(book_t + j * size + first_tail);
-              *reinterpret_cast<Vec*>(scores.data() + first_tail) = acc;
+            int64_t kept = 0;
+            if (keep == 1) {
+              int64_t index = 0;
+              nearest_path(residual.data(), energies.data(), beams, group_dim, book_t, half, size, best_error.data(),
+                           &index);
+              best_parent[0] = index / size;
+              best_word[0] = index % size;
+              kept = 1;
+            } else {
+              beam_scores(residual.data(), beams, group_dim, book_t, half, size, scores.data());
+              kept = rank_paths(scores.data(), energies.data(), beams, size, keep, best_error.data(),
+                                best_parent.data(), best_word.data());
             }
-            for (int64_t k = first_tail; k < size; ++k) {
-              float score = -half[k];
-              for (int64_t j = 0; j < group_dim; ++j) score += r[j] * book_t[j * size + k];
-              scores[k] = score;
+            for (int64_t n = 0; n < kept; ++n) {
+              const float* parent = residual.data() + best_parent[n] * group_dim;
+              const float* word = cp + (stage * size + best_word[n]) * group_dim;
+              for (int64_t j = 0; j < group_dim; ++j) next_residual[n * group_dim + j] = parent[j] - word[j];
+              path_parent[depth * width + n] = best_parent[n];
+              path_word[depth * width + n] = best_word[n];
             }
-            auto offer = [&](int64_t k) {  // candidate k, in increasing k: ties keep the earlier one
-              const float error = r_energy - 2.f * scores[k];  // |r - c|^2
-              if (kept == keep && error >= best_error[keep - 1]) return;
-              int64_t slot = kept < keep ? kept++ : keep - 1;
-              while (slot > 0 && best_error[slot - 1] > error) {
-                best_error[slot] = best_error[slot - 1];
-                best_parent[slot] = best_parent[slot - 1];
-                best_word[slot] = best_word[slot - 1];
-                --slot;
-              }
-              best_error[slot] = error;
-              best_parent[slot] = b;
-              best_word[slot] = k;
-            };
-            int64_t k = 0;
-            for (; k < size && kept < keep; ++k) offer(k);
-#if defined(__AVX512F__)
-            // Once the beam is full, few candidates beat its worst entry: compare 16 at a time and offer only those
-            // (same errors, same order as the scalar loop, so the same codes).
-            const __m512 energy_v = _mm512_set1_ps(r_energy);
-            for (; k + 16 <= size; k += 16) {
-              const __m512 s = _mm512_loadu_ps(scores.data() + k);
-              const __m512 error = _mm512_sub_ps(energy_v, _mm512_add_ps(s, s));
-              __mmask16 below = _mm512_cmp_ps_mask(error, _mm512_set1_ps(best_error[keep - 1]), _CMP_LT_OQ);
-              while (below) {
-                offer(k + __builtin_ctz(below));
-                below &= below - 1;
-              }
-            }
-#elif defined(__AVX__)
-            // the same, 8 at a time
-            const __m256 energy_v = _mm256_set1_ps(r_energy);
-            for (; k + 8 <= size; k += 8) {
-              const __m256 s = _mm256_loadu_ps(scores.data() + k);
-              const __m256 error = _mm256_sub_ps(energy_v, _mm256_add_ps(s, s));
-              unsigned below = _mm256_movemask_ps(
-                  _mm256_cmp_ps(error, _mm256_set1_ps(best_error[keep - 1]), _CMP_LT_OQ));
-              while (below) {
-                offer(k + __builtin_ctz(below));
-                below &= below - 1;
-              }
-            }
-#endif
-            for (; k < size; ++k) offer(k);
+            std::swap(residual, next_residual);
+            beams = kept;
           }
-          for (int64_t n = 0; n < kept; ++n) {
-            const float* parent = residual.data() + best_parent[n] * group_dim;
-            const float* word = cp + (stage * size + best_word[n]) * group_dim;
-            for (int64_t j = 0; j < group_dim; ++j) next_residual[n * group_dim + j] = parent[j] - word[j];
-            path_parent[depth * width + n] = best_parent[n];
-            path_word[depth * width + n] = best_word[n];
+          int64_t best = 0;  // the group's last stage kept one path: the best
+          for (int64_t depth = static_cast<int64_t>(stage_list.size()) - 1; depth >= 0; --depth) {
+            out[stage_list[depth]] = static_cast<uint8_t>(path_word[depth * width + best]);
+            best = path_parent[depth * width + best];
           }
-          std::swap(residual, next_residual);
-          beams = kept;
-        }
-        int64_t best = 0;  // the group's last stage kept one path: the best
-        for (int64_t depth = static_cast<int64_t>(stage_list.size()) - 1; depth >= 0; --depth) {
-          out[stage_list[depth]] = static_cast<uint8_t>(path_word[depth * width + best]);
-          best = path_parent[depth * width + best];
         }
       }
     }

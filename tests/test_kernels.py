@@ -608,7 +608,8 @@ def test_beam_search_finds_the_exhaustive_optimum_when_the_beam_holds_every_path
 
 
 # 52 at 8 beams: the beam fills on codewords 0-7, then two 16-codeword SIMD blocks, then a scalar tail
-@pytest.mark.parametrize("beam_width,size", [(1, 32), (3, 32), (8, 32), (8, 52)])
+# 16 beams: more than one register of lanes on an AVX2 build, so the ranked list is filled without a bound there
+@pytest.mark.parametrize("beam_width,size", [(1, 32), (3, 32), (8, 32), (8, 52), (16, 40)])
 def test_compiled_beam_encoder_matches_reference(beam_width, size):
     generator = torch.Generator().manual_seed(6)
     z = torch.randn(257, 64, generator=generator) * torch.linspace(2, 0.2, 64)
@@ -622,6 +623,23 @@ def test_compiled_beam_encoder_matches_reference(beam_width, size):
     with pytest.raises(ValueError, match="beam_width must be between 1"):
         residual_encode(z, codebooks, groups, 0)
     torch.library.opcheck(ops.residual_encode, (z, codebooks, groups, beam_width), test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_compiler
+@pytest.mark.parametrize("beam_width", [1, 2, 8, 16])
+def test_compiled_beam_encoder_breaks_ties_toward_the_first_codeword(beam_width):
+    # Every codeword appears twice (k and k + 24): equal errors, bit for bit. The search must keep the first of each
+    # pair, whichever part of it ranks the candidates (the bounded ranked list, the one past a register of lanes,
+    # the last stage's running least error with its tail beyond whole registers).
+    generator = torch.Generator().manual_seed(11)
+    z = torch.randn(200, 32, generator=generator)
+    half = torch.randn(5, 24, 8, generator=generator)
+    codebooks = torch.cat([half, half], dim=1)
+    groups = torch.tensor([0, 1, 0, 2, 3])
+    codes = residual_encode(z, codebooks, groups, beam_width)
+    assert int(codes.max()) < 24
+    if beam_width == 1:  # (a beam spends slots on the copies, so wider searches differ from those over `half`)
+        assert torch.equal(codes, residual_encode(z, half, groups, beam_width))
 
 
 @pytest.mark.parametrize("beam_width,size", [(1, 16), (3, 16), (8, 32), (4, 2)])
