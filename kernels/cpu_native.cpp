@@ -1701,11 +1701,14 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
                                 best_parent.data(), best_word.data());
             }
             for (int64_t n = 0; n < kept; ++n) {
+              path_parent[depth * width + n] = best_parent[n];
+              path_word[depth * width + n] = best_word[n];
+            }
+            if (depth + 1 == stage_list.size()) break;  // no stage left to search: no residual needed
+            for (int64_t n = 0; n < kept; ++n) {
               const float* parent = residual.data() + best_parent[n] * group_dim;
               const float* word = cp + (stage * size + best_word[n]) * group_dim;
               for (int64_t j = 0; j < group_dim; ++j) next_residual[n * group_dim + j] = parent[j] - word[j];
-              path_parent[depth * width + n] = best_parent[n];
-              path_word[depth * width + n] = best_word[n];
             }
             std::swap(residual, next_residual);
             beams = kept;
