@@ -608,8 +608,9 @@ def test_beam_search_finds_the_exhaustive_optimum_when_the_beam_holds_every_path
 
 
 # 52 at 8 beams: the beam fills on codewords 0-7, then two 16-codeword SIMD blocks, then a scalar tail
-# 16 beams: more than one register of lanes on an AVX2 build, so the ranked list is filled without a bound there
-@pytest.mark.parametrize("beam_width,size", [(1, 32), (3, 32), (8, 32), (8, 52), (16, 40)])
+# 16 beams: more than one register of lanes on an AVX2 build, so the ranked list is filled without a bound there;
+# 6 codewords: fewer than a register of lanes, no bound either, and more beams than candidates at the first stage
+@pytest.mark.parametrize("beam_width,size", [(1, 32), (3, 32), (8, 32), (8, 52), (16, 40), (8, 6)])
 def test_compiled_beam_encoder_matches_reference(beam_width, size):
     generator = torch.Generator().manual_seed(6)
     z = torch.randn(257, 64, generator=generator) * torch.linspace(2, 0.2, 64)
