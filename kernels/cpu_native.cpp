@@ -1314,10 +1314,37 @@ inline float multiply_add(float a, float b, float c) {
 }
 
 // scores[b, k] = <r_b, c_k> - |c_k|^2 / 2 for `beams` residuals r [beams, g] and one stage's K codewords, transposed
-// (book_t [g, K]). Four residuals at a time share each load of codewords (a tile of 4 x 2 registers of sums): one
-// residual at a time, the loop issued a load per multiply-add and waited on the load ports. Each sum adds its g
-// products in the same order as the one-residual loop, so the scores, and the codes, are the same.
+// (book_t [g, K]). Four residuals at a time share each load of codewords (a tile of 4 x 2 registers of sums), half
+// the loads per multiply-add of one residual at a time. Each sum adds its g products in the same order as the
+// one-residual loop, so the scores, and the codes, are the same.
 constexpr int64_t kScoreBeams = 4;
+
+// One codeword's score, past the last whole block of registers.
+inline float codeword_score(const float* r, int64_t group_dim, const float* book_t, const float* half, int64_t size,
+                            int64_t k) {
+  float score = -half[k];
+  for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[j], book_t[j * size + k], score);
+  return score;
+}
+
+// Scores of kBeams residuals (r [kBeams, g]) against codewords k .. k + 2 kLanes - 1, in two registers per residual.
+template <int64_t kBeams>
+inline void score_tile(const float* r, int64_t group_dim, const float* book_t, const float* half, int64_t size,
+                       int64_t k, Vec (&acc)[kBeams][2]) {
+  const Vec h0 = -load(half + k), h1 = -load(half + k + kLanes);
+  for (int64_t u = 0; u < kBeams; ++u) {
+    acc[u][0] = h0;
+    acc[u][1] = h1;
+  }
+  for (int64_t j = 0; j < group_dim; ++j) {
+    const Vec w0 = load(book_t + j * size + k), w1 = load(book_t + j * size + k + kLanes);
+    for (int64_t u = 0; u < kBeams; ++u) {
+      const float rj = r[u * group_dim + j];
+      acc[u][0] = multiply_add(rj, w0, acc[u][0]);
+      acc[u][1] = multiply_add(rj, w1, acc[u][1]);
+    }
+  }
+}
 
 void one_residual_scores(const float* r, int64_t group_dim, const float* book_t, const float* half, int64_t size,
                          float* scores) {
@@ -1339,9 +1366,7 @@ void one_residual_scores(const float* r, int64_t group_dim, const float* book_t,
     *reinterpret_cast<Vec*>(scores + k) = acc;
   }
   for (; k < size; ++k) {
-    float score = -half[k];
-    for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[j], book_t[j * size + k], score);
-    scores[k] = score;
+    scores[k] = codeword_score(r, group_dim, book_t, half, size, k);
   }
 }
 
@@ -1354,19 +1379,7 @@ void beam_scores(const float* residuals, int64_t beams, int64_t group_dim, const
     int64_t k = 0;
     for (; k + 2 * kLanes <= size; k += 2 * kLanes) {
       Vec acc[kScoreBeams][2];
-      const Vec h0 = -load(half + k), h1 = -load(half + k + kLanes);
-      for (int64_t u = 0; u < kScoreBeams; ++u) {
-        acc[u][0] = h0;
-        acc[u][1] = h1;
-      }
-      for (int64_t j = 0; j < group_dim; ++j) {
-        const Vec w0 = load(book_t + j * size + k), w1 = load(book_t + j * size + k + kLanes);
-        for (int64_t u = 0; u < kScoreBeams; ++u) {
-          const float rj = r[u * group_dim + j];
-          acc[u][0] = multiply_add(rj, w0, acc[u][0]);
-          acc[u][1] = multiply_add(rj, w1, acc[u][1]);
-        }
-      }
+      score_tile<kScoreBeams>(r, group_dim, book_t, half, size, k, acc);
       for (int64_t u = 0; u < kScoreBeams; ++u) {
         *reinterpret_cast<Vec*>(out + u * size + k) = acc[u][0];
         *reinterpret_cast<Vec*>(out + u * size + k + kLanes) = acc[u][1];
@@ -1374,9 +1387,7 @@ void beam_scores(const float* residuals, int64_t beams, int64_t group_dim, const
     }
     for (; k < size; ++k) {
       for (int64_t u = 0; u < kScoreBeams; ++u) {
-        float score = -half[k];
-        for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[u * group_dim + j], book_t[j * size + k], score);
-        out[u * size + k] = score;
+        out[u * size + k] = codeword_score(r + u * group_dim, group_dim, book_t, half, size, k);
       }
     }
   }
@@ -1431,19 +1442,7 @@ inline void nearest_path_tile(const float* residuals, const float* energies, int
   const float* r = residuals + first_beam * group_dim;
   for (int64_t k = 0; k < full_blocks; k += 2 * kLanes) {
     Vec acc[kBeams][2];
-    const Vec h0 = -load(half + k), h1 = -load(half + k + kLanes);
-    for (int64_t u = 0; u < kBeams; ++u) {
-      acc[u][0] = h0;
-      acc[u][1] = h1;
-    }
-    for (int64_t j = 0; j < group_dim; ++j) {
-      const Vec w0 = load(book_t + j * size + k), w1 = load(book_t + j * size + k + kLanes);
-      for (int64_t u = 0; u < kBeams; ++u) {
-        const float rj = r[u * group_dim + j];
-        acc[u][0] = multiply_add(rj, w0, acc[u][0]);
-        acc[u][1] = multiply_add(rj, w1, acc[u][1]);
-      }
-    }
+    score_tile<kBeams>(r, group_dim, book_t, half, size, k, acc);
     for (int64_t u = 0; u < kBeams; ++u) {
       const Vec energy = splat(energies[first_beam + u]);
       const int32_t base = static_cast<int32_t>((first_beam + u) * size + k);
@@ -1470,9 +1469,7 @@ void nearest_path(const float* residuals, const float* energies, int64_t beams, 
   for (int64_t t = 0; t < beams && full_blocks < size; ++t) {  // codewords past the last whole pair of registers
     const float* r = residuals + t * group_dim;
     for (int64_t k = full_blocks; k < size; ++k) {
-      float score = -half[k];
-      for (int64_t j = 0; j < group_dim; ++j) score = multiply_add(r[j], book_t[j * size + k], score);
-      const float error = energies[t] - 2.f * score;
+      const float error = energies[t] - 2.f * codeword_score(r, group_dim, book_t, half, size, k);
       const int64_t index = t * size + k;
       if (error < tail_error || (error == tail_error && index < tail_index)) {
         tail_error = error;
