@@ -1482,6 +1482,28 @@ void nearest_path(const float* residuals, const float* energies, int64_t beams, 
 
 // Stages before a group's last: scores [beams, K] -> the `keep` paths of least error, sorted, in best_*; returns how
 // many were kept. Candidates enter the sorted list only if they beat its worst entry, so most cost one comparison.
+// The `keep` paths of least error so far, sorted; candidates are offered in (b, k) order and ties keep the earlier.
+struct RankedPaths {
+  float* error;
+  int64_t* parent;
+  int64_t* word;
+  int64_t keep, kept = 0;
+
+  inline void offer(int64_t b, int64_t k, float candidate_error) {
+    if (kept == keep && candidate_error >= error[keep - 1]) return;
+    int64_t slot = kept < keep ? kept++ : keep - 1;
+    while (slot > 0 && error[slot - 1] > candidate_error) {
+      error[slot] = error[slot - 1];
+      parent[slot] = parent[slot - 1];
+      word[slot] = word[slot - 1];
+      --slot;
+    }
+    error[slot] = candidate_error;
+    parent[slot] = b;
+    word[slot] = k;
+  }
+};
+
 // One bit per lane of a comparison's result, lane l in bit l.
 inline uint32_t lane_bits(VecI mask) {
 #if defined(__AVX512F__)
@@ -1515,24 +1537,12 @@ int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t b
   float bound = least[0];
   for (int64_t l = 1; l < kLanes; ++l) bound = std::max(bound, least[l]);
   const Vec bound_v = splat(bound);
-  int64_t kept = 0;
+  RankedPaths ranked{best_error, best_parent, best_word, keep};
   for (int64_t b = 0; b < beams; ++b) {
     const float energy = energies[b];
     const Vec energy_v = splat(energy);
     const float* row = scores + b * size;
-    auto offer = [&](int64_t k, float error) {  // as in rank_paths
-      if (kept == keep && error >= best_error[keep - 1]) return;
-      int64_t slot = kept < keep ? kept++ : keep - 1;
-      while (slot > 0 && best_error[slot - 1] > error) {
-        best_error[slot] = best_error[slot - 1];
-        best_parent[slot] = best_parent[slot - 1];
-        best_word[slot] = best_word[slot - 1];
-        --slot;
-      }
-      best_error[slot] = error;
-      best_parent[slot] = b;
-      best_word[slot] = k;
-    };
+    auto offer = [&](int64_t k, float error) { ranked.offer(b, k, error); };
     for (int64_t k = 0; k < blocks_end; k += kLanes) {
       const Vec s = load(row + k);
       const Vec e = energy_v - (s + s);
@@ -1546,7 +1556,7 @@ int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t b
       if (error <= bound) offer(k, error);
     }
   }
-  return kept;
+  return ranked.kept;
 }
 
 int64_t rank_paths(const float* scores, const float* energies, int64_t beams, int64_t size, int64_t keep,
@@ -1554,26 +1564,13 @@ int64_t rank_paths(const float* scores, const float* energies, int64_t beams, in
   if (keep <= kLanes && size >= kLanes) {
     return rank_paths_bounded(scores, energies, beams, size, keep, best_error, best_parent, best_word);
   }
-  int64_t kept = 0;
+  RankedPaths ranked{best_error, best_parent, best_word, keep};
   for (int64_t b = 0; b < beams; ++b) {
     const float r_energy = energies[b];
     const float* beam_scores_row = scores + b * size;
-    auto offer = [&](int64_t k) {  // candidate k, in increasing k: ties keep the earlier one
-      const float error = r_energy - 2.f * beam_scores_row[k];  // |r - c|^2
-      if (kept == keep && error >= best_error[keep - 1]) return;
-      int64_t slot = kept < keep ? kept++ : keep - 1;
-      while (slot > 0 && best_error[slot - 1] > error) {
-        best_error[slot] = best_error[slot - 1];
-        best_parent[slot] = best_parent[slot - 1];
-        best_word[slot] = best_word[slot - 1];
-        --slot;
-      }
-      best_error[slot] = error;
-      best_parent[slot] = b;
-      best_word[slot] = k;
-    };
+    auto offer = [&](int64_t k) { ranked.offer(b, k, r_energy - 2.f * beam_scores_row[k]); };  // |r - c|^2
     int64_t k = 0;
-    for (; k < size && kept < keep; ++k) offer(k);
+    for (; k < size && ranked.kept < keep; ++k) offer(k);
 #if defined(__AVX512F__)
     // Once the beam is full, few candidates beat its worst entry: compare 16 at a time and offer only
     // those (same errors, same order as the scalar loop, so the same codes).
@@ -1603,7 +1600,7 @@ int64_t rank_paths(const float* scores, const float* energies, int64_t beams, in
 #endif
     for (; k < size; ++k) offer(k);
   }
-  return kept;
+  return ranked.kept;
 }
 
 // z [R, D] f32; codebooks [S, K, g] f32; stage_groups [S] i64 -> codes [R, S] u8. Per group, over its stages in order:
