@@ -1314,9 +1314,9 @@ inline float multiply_add(float a, float b, float c) {
 }
 
 // scores[b, k] = <r_b, c_k> - |c_k|^2 / 2 for `beams` residuals r [beams, g] and one stage's K codewords, transposed
-// (book_t [g, K]). Four residuals at a time share each load of codewords (a tile of 4 x 2 registers of sums), half
-// the loads per multiply-add of one residual at a time. Each sum adds its g products in the same order as the
-// one-residual loop, so the scores, and the codes, are the same.
+// (book_t [g, K]). Four residuals at a time share each load of codewords (a tile of 4 x 2 registers of sums): 6
+// loads, broadcasts included, per 8 multiply-adds, against 5 per 4 one residual at a time. Each sum adds its g
+// products in the same order as the one-residual loop, so the scores, and the codes, are the same.
 constexpr int64_t kScoreBeams = 4;
 
 // One codeword's score, past the last whole block of registers.
