@@ -1405,10 +1405,12 @@ struct NearestPath {
   Vec error[2];
   VecI index[2];  // b * K + k
 
+  // Starts at candidate 0 with an infinite error, so that inputs whose errors are all NaN or infinite (non-finite
+  // keys or values) still get a real path, (0, 0), as the ranked list's first offer would give them.
   NearestPath() {
     for (int64_t v = 0; v < 2; ++v) {
       error[v] = Vec{} + std::numeric_limits<float>::infinity();
-      index[v] = VecI{} + std::numeric_limits<int32_t>::max();
+      index[v] = VecI{};
     }
   }
   inline void offer(int64_t v, Vec e, VecI candidate) {
@@ -1519,6 +1521,7 @@ inline uint32_t lane_bits(VecI mask) {
 // later one pushes out. So when keep <= kLanes, a first pass bounds the keep-th least error from above: each lane's
 // least error is a distinct candidate, so at least kLanes candidates lie at or below the largest of them. Only
 // candidates at or below that bound are offered, in the same (b, k) order, so the list, ties included, is the same.
+// Returns -1, having kept nothing, when there is no finite bound.
 int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t beams, int64_t size, int64_t keep,
                            float* best_error, int64_t* best_parent, int64_t* best_word) {
   const int64_t blocks_end = size - size % kLanes;
@@ -1534,24 +1537,24 @@ int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t b
   }
   float bound = least[0];
   for (int64_t l = 1; l < kLanes; ++l) bound = std::max(bound, least[l]);
+  if (!std::isfinite(bound)) return -1;  // a lane with no finite error (non-finite input): no bound
   const Vec bound_v = splat(bound);
   RankedPaths ranked{best_error, best_parent, best_word, keep};
   for (int64_t b = 0; b < beams; ++b) {
     const float energy = energies[b];
     const Vec energy_v = splat(energy);
     const float* row = scores + b * size;
-    auto offer = [&](int64_t k, float error) { ranked.offer(b, k, error); };
     for (int64_t k = 0; k < blocks_end; k += kLanes) {
       const Vec s = load(row + k);
       const Vec e = energy_v - (s + s);
       for (uint32_t bits = lane_bits(e <= bound_v); bits != 0; bits &= bits - 1) {
         const int64_t lane = __builtin_ctz(bits);
-        offer(k + lane, e[lane]);
+        ranked.offer(b, k + lane, e[lane]);
       }
     }
     for (int64_t k = blocks_end; k < size; ++k) {
       const float error = energy - 2.f * row[k];
-      if (error <= bound) offer(k, error);
+      if (error <= bound) ranked.offer(b, k, error);
     }
   }
   return ranked.kept;
@@ -1562,7 +1565,8 @@ int64_t rank_paths_bounded(const float* scores, const float* energies, int64_t b
 int64_t rank_paths(const float* scores, const float* energies, int64_t beams, int64_t size, int64_t keep,
                    float* best_error, int64_t* best_parent, int64_t* best_word) {
   if (keep <= kLanes && size >= kLanes) {
-    return rank_paths_bounded(scores, energies, beams, size, keep, best_error, best_parent, best_word);
+    const int64_t kept = rank_paths_bounded(scores, energies, beams, size, keep, best_error, best_parent, best_word);
+    if (kept >= 0) return kept;
   }
   RankedPaths ranked{best_error, best_parent, best_word, keep};
   for (int64_t b = 0; b < beams; ++b) {

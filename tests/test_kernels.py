@@ -643,6 +643,25 @@ def test_compiled_beam_encoder_breaks_ties_toward_the_first_codeword(beam_width)
         assert torch.equal(codes, residual_encode(z, half, groups, beam_width))
 
 
+@needs_compiler
+@pytest.mark.parametrize("beam_width", [1, 8, 16])
+def test_compiled_beam_encoder_gives_real_codes_for_non_finite_input(beam_width):
+    # NaN or infinite keys/values make every error of a row non-finite: the search must still pick real codewords
+    # (the codes are meaningless, but they must index the codebooks) and leave the other rows' codes as they were.
+    generator = torch.Generator().manual_seed(12)
+    z = torch.randn(40, 32, generator=generator)
+    codebooks = torch.randn(5, 32, 8, generator=generator)
+    groups = torch.tensor([0, 1, 0, 2, 3])
+    clean = residual_encode(z, codebooks, groups, beam_width)
+    z[3, :] = float("nan")
+    z[7, 8:16] = float("inf")
+    codes = residual_encode(z, codebooks, groups, beam_width)
+    assert int(codes.max()) < 32
+    finite_rows = torch.ones(40, dtype=torch.bool)
+    finite_rows[[3, 7]] = False
+    assert torch.equal(codes[finite_rows], clean[finite_rows])
+
+
 @pytest.mark.parametrize("beam_width,size", [(1, 16), (3, 16), (8, 32), (4, 2)])
 def test_triton_beam_encoder_matches_reference(beam_width, size):
     generator = torch.Generator().manual_seed(9)
