@@ -76,6 +76,33 @@ def test_wrong_dtype_mid_sequence(tiny_model, tiny_codebooks_dir):
         layer.update(torch.randn(1, 2, 1, 16).half(), torch.randn(1, 2, 1, 16).half())
 
 
+@pytest.mark.parametrize("attention", ["dequantize", "codes"])
+@pytest.mark.parametrize("tensor, bad", [("keys", float("nan")), ("values", float("inf"))])
+def test_non_finite_states_are_refused_before_they_are_coded(tiny_model, tiny_codebooks_dir, attention, tensor, bad):
+    cache = GSRQCache(codebooks=tiny_codebooks_dir, window_length=2, flush_interval=1, num_sink_tokens=1,
+                      attention=attention)
+    layer = cache.layers[0]
+    first = {"keys": torch.randn(1, 2, 3, 16), "values": torch.randn(1, 2, 3, 16)}
+    first[tensor][0, 1, 1, 3] = bad  # the first token after the sink: the first one a flush codes
+    cache.update(first["keys"], first["values"], 0)  # 1 sink + 2 window tokens: nothing coded yet
+    if attention == "codes":
+        layer.mark_attended()
+    more_keys, more_values = torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
+
+    def add_two_tokens():
+        cache.update(more_keys, more_values, 0)
+        if attention == "codes":
+            layer.finish_attention()
+
+    with pytest.raises(ValueError, match=f"cannot code non-finite {tensor}: 1 of 64 elements.*bfloat16 or float32"):
+        add_two_tokens()
+    # nothing was coded and nothing was lost: every token is still held exact
+    assert layer.region_lengths() == {"sinks": 1, "codes": 0, "window": 4}
+    held_values = torch.cat([layer.sink_values, layer.window_values], dim=-2)
+    assert torch.equal(held_values[..., 3:, :], more_values)
+    assert torch.equal(held_values[..., :3, :].nan_to_num(), first["values"].nan_to_num())
+
+
 def test_missing_directory_and_files(tmp_path):
     with pytest.raises(CodebookFileError, match="does not exist.*hf-kvcodecs calibrate"):
         GSRQCodebooks.load(tmp_path / "nowhere")

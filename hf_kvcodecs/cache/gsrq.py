@@ -137,6 +137,17 @@ def _nan_element(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _NAN_ELEMENTS[key]
 
 
+def _check_finite(states: torch.Tensor, name: str) -> None:
+    """Codes for NaN or infinite vectors would index real codewords: finite garbage the model could not notice."""
+    finite = torch.isfinite(states)
+    if not bool(finite.all()):
+        raise ValueError(
+            f"GSRQCache cannot code non-finite {name}: {int(finite.numel() - finite.sum())} of {finite.numel()} "
+            f"elements about to be coded are NaN or infinite. The model's activations overflowed (common in float16): "
+            "run the model in bfloat16 or float32."
+        )
+
+
 class GSRQLayer(CacheLayerMixin):
     """One decoder layer's GSRQ-coded keys and values."""
 
@@ -280,6 +291,8 @@ class GSRQLayer(CacheLayerMixin):
     # ---- coding ---------------------------------------------------------------------------------------------
     def _flush(self, count: int) -> None:
         keys, values = self.window_keys[..., :count, :], self.window_values[..., :count, :]
+        _check_finite(keys, "keys")  # before anything changes: the cache stays as it was
+        _check_finite(values, "values")
         # Copies, not views: a view would keep the whole pre-flush window (full precision) alive.
         self.window_keys = self.window_keys[..., count:, :].clone()
         self.window_values = self.window_values[..., count:, :].clone()
