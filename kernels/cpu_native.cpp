@@ -835,10 +835,11 @@ std::vector<float> token_weights(const WeightSource& source, float* weight_sum, 
 }
 
 // Adds one token's weight row (P floats) into a bin, a register at a time (GCC moved a vector wider than a register
-// through the stack in 16-byte pieces); a 12-float row is an 8-float and a 4-float add.
+// through the stack in 16-byte pieces); a 12-float row is an 8-float and a 4-float add (vector sizes must be powers
+// of two, so with 16-float registers too).
 template <int64_t P>
 inline void add_weight_row(float* bin, const float* w) {
-  constexpr int64_t R = P < kLanes ? P : kLanes, kWhole = P / R, kTail = P % R;
+  constexpr int64_t R = P >= kLanes ? kLanes : (P >= 8 ? 8 : P), kWhole = P / R, kTail = P % R;
   static_assert(kTail == 0 || kTail == 4, "weight rows are whole registers, or 12 floats");
   typedef float VecR __attribute__((vector_size(4 * R), aligned(4)));
   typedef float Vec4 __attribute__((vector_size(16), aligned(4)));
