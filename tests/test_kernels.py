@@ -4,6 +4,7 @@ float64 dequantize-then-attend computation. Error budgets are relative to plain 
 import functools
 import math
 import os
+import platform
 import shutil
 
 import pytest
@@ -158,6 +159,33 @@ needs_compiler = pytest.mark.skipif(shutil.which("c++") is None and shutil.which
 def test_compiled_cpu_loops_build_and_are_used():
     assert native_ops() is not None, build_error()
     assert backend_for("cpu") == "cpu-native"
+
+
+@needs_compiler
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels")
+def test_compiled_cpu_loops_compile_for_every_x86_vector_width():
+    """The loops are built with -march=native, so the machine running the suite compiles only its own vector width
+    (4, 8 or 16 float lanes); code that only one width instantiates once failed to compile on AVX-512 CPUs while
+    AVX2 machines passed. Check the other widths too (syntax and template instantiation, no code generation)."""
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    from hf_kvcodecs.kernels.cpu_native import SOURCE
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    headers = [flag for path in [*include_paths(), sysconfig.get_paths()["include"]] for flag in ("-isystem", path)]
+    levels = {"16 lanes (AVX-512)": "x86-64-v4", "8 lanes (AVX2)": "x86-64-v3", "4 lanes (SSE2)": "x86-64"}
+    checks = {name: subprocess.Popen([compiler, "-std=c++20", "-fsyntax-only", "-fopenmp", f"-march={level}", *headers,
+                                      str(SOURCE)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for name, level in levels.items()}
+    failures = {}
+    for name, check in checks.items():
+        _, errors = check.communicate(timeout=300)
+        if check.returncode != 0:
+            failures[name] = "\n".join(line for line in errors.splitlines() if "error" in line)[:2000]
+    assert not failures, failures
 
 
 def test_a_failed_build_falls_back_to_pytorch_ops_and_says_so(monkeypatch, caplog):
