@@ -64,7 +64,6 @@ inline float horizontal_sum(Vec v) {
   return total;
 }
 inline Vec splat(float v) { return Vec{} + v; }
-typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 // Lane l of the result: the sum of v[l]'s lanes. With 8-float registers, a tree of horizontal adds: 8 sums in 9
 // instructions instead of 8 chains of 7 dependent scalar adds.
 inline Vec lane_sums(const Vec* v) {
@@ -81,23 +80,24 @@ inline Vec lane_sums(const Vec* v) {
 #elif defined(__AVX512F__)
   // The same tree in 16 lanes: each level adds the even and odd lanes of pairs of vectors (two-source permutes), so
   // lane l ends as v[l]'s sum in 15 pair steps; reducing each vector on its own took 16 chains of shuffles and adds.
-  const VecI even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const VecI odd = even + 1;
-  Vec level[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) level[l] = v[l];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  __m512 level[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) level[l] = (__m512)v[l];
   for (int64_t width = kLanes; width > 1; width /= 2) {
     for (int64_t i = 0; i < width / 2; ++i) {
-      level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], even) +
-                 __builtin_shuffle(level[2 * i], level[2 * i + 1], odd);
+      level[i] = _mm512_add_ps(_mm512_permutex2var_ps(level[2 * i], even, level[2 * i + 1]),
+                               _mm512_permutex2var_ps(level[2 * i], odd, level[2 * i + 1]));
     }
   }
-  return level[0];
+  return (Vec)level[0];
 #else
   Vec sums;
   for (int64_t l = 0; l < kLanes; ++l) sums[l] = horizontal_sum(v[l]);
   return sums;
 #endif
 }
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t)), aligned(4)));
 
 // e^x of each float of a vector as 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by the degree-6 polynomial
 // of Cephes' expf (relative error about 1e-7, like std::exp); exactly 0 below -87.3, so a masked (-inf) score
