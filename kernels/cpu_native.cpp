@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -533,6 +534,46 @@ void with_table_rows(const at::Tensor& table, const Body& body) {
   }
 }
 
+// body(item) for every item of [0, total), on all threads. Each thread owns a contiguous range of items, as with
+// at::parallel_for, and takes them from its front, so it keeps reading one head's table; a thread whose range is
+// done takes the items left at the back of the others' ranges. With a static split, the thread that finished first
+// waited for the other at the end of every call (perf, 4K tokens, a noisy 2-core host: the main thread waited
+// ~16 % of its attention time); the key loop this way made 30 layers' calls 1.00-1.08x faster in four alternated
+// runs. Items must be independent: which thread runs an item does not change any result.
+template <typename Body>
+void parallel_items_balanced(int64_t total, const Body& body) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  if (threads <= 1 || at::in_parallel_region() || total > std::numeric_limits<uint32_t>::max()) {
+    at::parallel_for(0, total, 1, [&](int64_t first, int64_t last) {
+      for (int64_t item = first; item < last; ++item) body(item);
+    });
+    return;
+  }
+  const auto pack = [](uint64_t front, uint64_t back) { return front << 32 | back; };
+  std::unique_ptr<std::atomic<uint64_t>[]> ranges(new std::atomic<uint64_t>[threads]);  // [front, back) each
+  for (int64_t t = 0; t < threads; ++t) ranges[t].store(pack(total * t / threads, total * (t + 1) / threads));
+  // takes one item from `range` (its front, or its back for another thread's range); -1 when it is empty
+  const auto take = [&](std::atomic<uint64_t>& range, bool from_front) -> int64_t {
+    uint64_t current = range.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t front = current >> 32, back = current & 0xffffffffu;
+      if (front >= back) return -1;
+      const uint64_t next = from_front ? pack(front + 1, back) : pack(front, back - 1);
+      if (range.compare_exchange_weak(current, next, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(from_front ? front : back - 1);
+      }
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t own = first; own < last; ++own) {
+      for (int64_t item; (item = take(ranges[own], true)) >= 0;) body(item);
+      for (int64_t k = 1; k < threads; ++k) {
+        for (int64_t item; (item = take(ranges[(own + k) % threads], false)) >= 0;) body(item);
+      }
+    }
+  });
+}
+
 // q [B, H, M, D] f32; codes [B, H or 1, N, S] u8 (1: joint-head codes, shared by every head); scales [B, H, N] f32
 // (or u8 with scale_levels [H, 256] f32);
 // table [H, R, D] f32 or f16 (R >= S * K), or i16 with table_step [H, D] f32 (fixed point);
@@ -578,8 +619,8 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
   const float* sinp = sin.const_data_ptr<float>();
   const int64_t table_rows = table.size(1);
   const float scale = static_cast<float>(scaling);
-  at::parallel_for(0, batch * heads * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t item = first; item < last; ++item) {
+  parallel_items_balanced(batch * heads * blocks, [&](int64_t item) {
+    {
       const int64_t bh = item / blocks, block = item % blocks;
       const int64_t b = bh / heads, h = bh % heads;
       const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
