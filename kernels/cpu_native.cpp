@@ -620,43 +620,41 @@ void prerope_scores_into(const at::Tensor& q, const at::Tensor& codes, const at:
   const int64_t table_rows = table.size(1);
   const float scale = static_cast<float>(scaling);
   parallel_items_balanced(batch * heads * blocks, [&](int64_t item) {
-    {
-      const int64_t bh = item / blocks, block = item % blocks;
-      const int64_t b = bh / heads, h = bh % heads;
-      const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
-      const float* qi = qp + bh * rows * dim;
-      const uint8_t* ci = cp + (b * code_heads + h % code_heads) * tokens * stages;
-      const HeadScales si = head_scales(scales, scale_levels, b, h);
-      const float* mi = mp + h * dim;
-      const float* cosi = cosp + b * tokens * dim / 2;
-      const float* sini = sinp + b * tokens * dim / 2;
-      float* oi = op + bh * rows * out_stride;
-      const float* stepi = fixed_point ? step_rows + h * dim : nullptr;
-      with_table_rows</*kFixedPoint=*/true>(table, [&](const auto* rows_begin) {
-        const auto* ti = rows_begin + h * table_rows * dim;
-        constexpr bool kFixed = std::is_same_v<std::decay_t<decltype(*ti)>, int16_t>;
-        if (dim == 64) {
-          if constexpr (kFixed) {
-            prerope_scores_block_fixed<64>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
-                                           codebook_size, begin, end, scale);
-          } else {
-            prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                                         begin, end, scale);
-          }
-        } else if (dim == 128) {
-          if constexpr (kFixed) {
-            prerope_scores_block_fixed<128>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
-                                            codebook_size, begin, end, scale);
-          } else {
-            prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages,
-                                          codebook_size, begin, end, scale);
-          }
+    const int64_t bh = item / blocks, block = item % blocks;
+    const int64_t b = bh / heads, h = bh % heads;
+    const int64_t begin = block * kBlockTokens, end = std::min(tokens, begin + kBlockTokens);
+    const float* qi = qp + bh * rows * dim;
+    const uint8_t* ci = cp + (b * code_heads + h % code_heads) * tokens * stages;
+    const HeadScales si = head_scales(scales, scale_levels, b, h);
+    const float* mi = mp + h * dim;
+    const float* cosi = cosp + b * tokens * dim / 2;
+    const float* sini = sinp + b * tokens * dim / 2;
+    float* oi = op + bh * rows * out_stride;
+    const float* stepi = fixed_point ? step_rows + h * dim : nullptr;
+    with_table_rows</*kFixedPoint=*/true>(table, [&](const auto* rows_begin) {
+      const auto* ti = rows_begin + h * table_rows * dim;
+      constexpr bool kFixed = std::is_same_v<std::decay_t<decltype(*ti)>, int16_t>;
+      if (dim == 64) {
+        if constexpr (kFixed) {
+          prerope_scores_block_fixed<64>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
+                                         codebook_size, begin, end, scale);
         } else {
-          prerope_scores_block(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
-                               begin, end, scale, dim);
+          prerope_scores_block_vec<64>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                                       begin, end, scale);
         }
-      });
-    }
+      } else if (dim == 128) {
+        if constexpr (kFixed) {
+          prerope_scores_block_fixed<128>(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages,
+                                          codebook_size, begin, end, scale);
+        } else {
+          prerope_scores_block_vec<128>(qi, ci, si, ti, mi, cosi, sini, oi, rows, out_stride, stages,
+                                        codebook_size, begin, end, scale);
+        }
+      } else {
+        prerope_scores_block(qi, ci, si, ti, stepi, mi, cosi, sini, oi, rows, out_stride, stages, codebook_size,
+                             begin, end, scale, dim);
+      }
+    });
   });
 }
 
