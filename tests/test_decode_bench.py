@@ -78,3 +78,29 @@ def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny
     everything = decode.decode_methods(loaded, progress=False)
     assert len(calibrated) == 1 + len(decode.LAYOUT_VARIANTS) + 1  # default, the variants, keys after RoPE
     assert len(everything) > len(names) and "bf16 DynamicCache" in [m.name for m in everything]
+    by_name = {m.name: m for m in everything}
+    if decode.QUANTO_4BIT in by_name:  # quanto installed: it also runs on the bf16 copy, for same-model ratios
+        assert by_name[decode.QUANTO_4BIT + decode.BF16_SUFFIX].precision == "bf16"
+    assert by_name["GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes" + decode.BF16_SUFFIX].precision == "bf16"
+
+
+def test_same_model_table_compares_each_row_with_the_caches_that_ran_on_its_copy_of_the_model():
+    from hf_kvcodecs.bench.decode import BF16_SUFFIX, QUANTO_4BIT, REFERENCE, decode_markdown, same_model_ratios
+
+    def row(name, precision, tokens_per_s):
+        return {"method": name, "precision": precision,
+                "speed": {"4096": {"tokens_per_s": tokens_per_s, "ratio_to_fp32": tokens_per_s / 8.0}},
+                "memory": {"bits_per_element": 2.5, "held_mib": 1.0, "transient_mib": 2.0, "shared_mib": 3.0},
+                "quality": {"kl_mean": 0.05, "top1_agreement": 0.9, "delta_ppl_pct": 1.0, "delta_ppl_pct_se": 0.5}}
+
+    rows = [row(REFERENCE, "fp32", 8.0), row("bf16 DynamicCache", "bf16", 6.0), row(QUANTO_4BIT, "fp32", 5.0),
+            row("GSRQ", "fp32", 10.0), row("GSRQ" + BF16_SUFFIX, "bf16", 12.0)]
+    results = {"contexts": [4096], "model": "m", "text": "t", "steps": 4, "repeats": 2, "threads": 2,
+               "memory_steps": 2, "seconds": 1.0,
+               "environment": {"date": "today", "versions": {"torch": "x", "transformers": "y"}}, "rows": rows}
+    ratios = {r["method"]: r["ratios"] for r in same_model_ratios(results)}
+    assert ratios["GSRQ"][("dynamic", 4096)] == 10.0 / 8.0 and ratios["GSRQ"][("quanto", 4096)] == 2.0
+    assert ratios["GSRQ" + BF16_SUFFIX][("dynamic", 4096)] == 2.0  # against bf16 DynamicCache, not fp32's
+    assert ratios["GSRQ" + BF16_SUFFIX][("quanto", 4096)] is None  # quanto did not run on the bf16 copy here
+    table = decode_markdown(results)
+    assert "| GSRQ, bf16 model | bf16 | 2.00× | – |" in table and "| GSRQ | fp32 | 1.25× | 2.00× |" in table

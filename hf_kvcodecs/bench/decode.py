@@ -55,6 +55,11 @@ LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "va
                     {"key_layout": "conditional_heads", "value_layout": "given_keys"}))
 GSRQ_BITS = 2.0
 REFERENCE = "fp32 DynamicCache"
+QUANTO_4BIT = "quanto 4-bit (per-channel keys)"
+BF16_SUFFIX = ", bf16 model"  # rows that run the bf16 copy of the model
+# per copy of the model, the rows every other row on it is compared with (same weights, same dtype, same run)
+SAME_MODEL_REFERENCES = {"fp32": (REFERENCE, QUANTO_4BIT),
+                         "bf16": ("bf16 DynamicCache", QUANTO_4BIT + BF16_SUFFIX)}
 
 
 @dataclass
@@ -86,6 +91,10 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
         if baseline.skip_reason is None and "per-channel" in baseline.name:
             methods.append(DecodeMethod(baseline.name, "transformers QuantizedCache", baseline.make_cache,
                                         extra=baseline.extra, prefill_multiple=baseline.prefill_multiple))
+            if baseline.name == QUANTO_4BIT:  # the best shipped cache on the bf16 copy too: same-model ratios
+                methods.append(DecodeMethod(baseline.name + BF16_SUFFIX, "transformers QuantizedCache",
+                                            baseline.make_cache, precision="bf16", extra=baseline.extra,
+                                            prefill_multiple=baseline.prefill_multiple))
     methods = [method for method in methods if wanted(method.name)]
     # (key space, codec layouts, description): the default, then what the layouts trade between quality and speed
     calibrations = [("pre_rope", {}, "")]
@@ -105,8 +114,8 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
                    "codes": "code-reading, " + ("keys rebuilt from codes" if key_space == "pre_rope" else "lookup tables")}[path]
             if beam_width != DEFAULT_BEAM_WIDTH:
                 how += ", greedy encoder" if beam_width == 1 else f", {beam_width}-beam encoder"
-            if precision != "fp32":
-                how += f", {precision} model"
+            if precision == "bf16":
+                how += BF16_SUFFIX
             name = f"GSRQ {bits:g}-bit, keys {key_space.replace('_', '-')}, {how}{layout_description}"
             if wanted(name):
                 rows.append((name, path, beam_width, precision))
@@ -327,6 +336,24 @@ def decode_markdown(results: dict) -> str:
         lines.append(f"| {row['method']} | {quality['kl_mean']:.3f} | {quality['top1_agreement']:.3f} | "
                      f"{quality['delta_ppl_pct']:+.1f} ± {error if error is None else round(error, 1)} | " + " | ".join(cells) + f" | {memory['bits_per_element']:.2f} | "
                      f"{memory['held_mib']:.1f} | {memory['transient_mib']:.1f} | {memory['shared_mib']:.1f} |")
+    ratios = same_model_ratios(results)
+    if any(ratio is not None for row in ratios for ratio in row["ratios"].values()):
+        cells = lambda values: " | ".join("–" if v is None else f"{v:.2f}×" for v in values)  # noqa: E731
+        lines += [
+            "",
+            "Same model, same run: each row's decode speed as a multiple of the DynamicCache and of quanto 4-bit "
+            "(per-channel keys) that ran on the same copy of the model (fp32 rows against the fp32 ones, bf16 rows "
+            "against the bf16 ones), i.e. what changing the cache and nothing else changes; – where that row was not "
+            "run.",
+            "",
+            "| method | model | " + " | ".join(f"× DynamicCache @{c}" for c in contexts) + " | "
+            + " | ".join(f"× quanto 4-bit @{c}" for c in contexts) + " |",
+            "|---|---|" + "---|" * (2 * len(contexts)),
+        ]
+        for row in ratios:
+            lines.append(f"| {row['method']} | {row['precision']} | "
+                         + cells(row["ratios"][("dynamic", c)] for c in contexts) + " | "
+                         + cells(row["ratios"][("quanto", c)] for c in contexts) + " |")
     if all("prefill_s" in row["speed"][str(c)] for row in results["rows"] for c in contexts):
         lines += [
             "",
@@ -341,6 +368,24 @@ def decode_markdown(results: dict) -> str:
                 f"{row['speed'][str(c)]['prefill_s']:.2f} ({row['speed'][str(c)]['prefill_ratio_to_fp32']:.2f}×)"
                 for c in contexts) + " |")
     return "\n".join(lines) + "\n"
+
+
+def same_model_ratios(results: dict) -> list[dict]:
+    """Per row, its tokens/s over those of the DynamicCache and of quanto 4-bit that ran on the same copy of the
+    model (``SAME_MODEL_REFERENCES``); None where that reference is not among the rows."""
+    speeds = {(row["method"]): row["speed"] for row in results["rows"]}
+    out = []
+    for row in results["rows"]:
+        precision = row.get("precision", "fp32")
+        references = dict(zip(("dynamic", "quanto"), SAME_MODEL_REFERENCES.get(precision, (None, None))))
+        ratios = {}
+        for kind, reference in references.items():
+            for context in results["contexts"]:
+                base = speeds.get(reference, {}).get(str(context))
+                ratios[(kind, context)] = (row["speed"][str(context)]["tokens_per_s"] / base["tokens_per_s"]
+                                           if base else None)
+        out.append({"method": row["method"], "precision": precision, "ratios": ratios})
+    return out
 
 
 def plot_decode_speed(results: dict, path: Path) -> None:
