@@ -5,6 +5,7 @@ Importing the package registers ``cache_implementation="gsrq"`` with ``transform
 """
 
 from .cache import GSRQCache
+from .cache.rope import model_rope_inv_freq
 from .codecs.gsrq_codebooks import GSRQCodebooks
 from .integrations.attention import enable_code_attention, register_code_attention
 from .integrations.transformers_patch import register_cache_implementation
@@ -26,4 +27,4 @@ def __getattr__(name):  # calibration pulls in tqdm/text helpers: import it only
     raise AttributeError(f"module 'hf_kvcodecs' has no attribute {name!r}")
 
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "enable_code_attention", "calibrate_gsrq", "register_cache_implementation", "__version__"]
+__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq", "register_cache_implementation", "__version__"]

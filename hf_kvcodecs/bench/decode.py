@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache import GSRQCache
+from ..cache.rope import model_rope_inv_freq
 from ..calibration.store import ensure_codebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import DEFAULT_BEAM_WIDTH
@@ -127,7 +128,8 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
             methods.append(DecodeMethod(
                 name, "gsrq",
                 lambda m, c=codebooks, p=path, w=beam_width: GSRQCache(m.config, codebooks=c, bits=bits, attention=p,
-                                                                       beam_width=w),
+                                                                       beam_width=w,
+                                                                       rope_inv_freq=model_rope_inv_freq(m)),
                 precision=precision, expected_path=path,
                 extra={"codebooks": str(directory), "key_space": key_space, "attention": path, "beam_width": beam_width,
                        "key_layout": codebooks.layout("keys"), "value_layout": codebooks.layout("values"),

@@ -38,9 +38,11 @@ DEFAULT_NUM_SINK_TOKENS = 4
 LARGE_PADDING_TOKENS = 64
 CACHE_CONFIG_KEYS = (
     "codebooks", "codebooks_revision", "codebooks_subfolder", "bits", "key_bits", "value_bits", "window_length",
-    "flush_interval", "num_sink_tokens", "attention", "beam_width", "gain", "config",
+    "flush_interval", "num_sink_tokens", "attention", "beam_width", "gain", "config", "rope_inv_freq",
 )
 ATTENTION_CHOICES = ("auto", "codes", "dequantize")
+# a model's RoPE frequencies may differ from the calibrated ones by a 16-bit rounding (bf16: 2^-9), not more
+ROPE_FREQUENCY_TOLERANCE = 0.01
 
 
 class PositionLedger:
@@ -493,18 +495,45 @@ class GSRQCache(Cache):
             a 2-core CPU; decode speed is the same).
         gain: how each coded vector's scale is chosen once its codes are: ``"norm"`` (default, decoded vectors
             as long as their inputs), ``"least_squares"`` or ``"rms"`` (see ``TransformResidualVQ.encode``).
+        rope_inv_freq: the RoPE frequencies the model applies (``hf_kvcodecs.model_rope_inv_freq(model)``), when
+            they can differ from those the codebooks were calibrated with: ``model.to(torch.bfloat16)`` also rounds
+            the rotary embedding's ``inv_freq`` buffer to bf16, and a cache using the calibrated frequencies would then
+            undo RoPE with other angles than the model applied and code keys that are not really pre-RoPE (default
+            model in bf16: KL 0.050 instead of 0.042). ``generate(cache_implementation="gsrq")`` passes the model's
+            own; default: the calibrated ones.
 
     Use it as ``model.generate(..., cache_implementation="gsrq", cache_config={"codebooks": DIR, "bits": 2})``
     (after ``import hf_kvcodecs``) or ``model.generate(..., cache=GSRQCache(model.config, codebooks=DIR))``.
     """
 
     reads_codes = True  # generate(cache_implementation="gsrq") switches the model to code-reading attention
+    takes_model_rope = True  # and passes the model's RoPE frequencies (rope_inv_freq)
+
+    def _model_rope_inv_freq(self, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The frequencies the layers undo and re-apply RoPE with: ``given`` (checked against the calibrated ones)
+        or the calibrated ones."""
+        calibrated = self.codebooks.rope_inv_freq
+        if given is None or calibrated is None:
+            return calibrated
+        if not isinstance(given, torch.Tensor) or tuple(given.shape) != tuple(calibrated.shape):
+            raise ValueError(f"rope_inv_freq must be a tensor of shape {tuple(calibrated.shape)} (the model's "
+                             f"rotary embedding's inv_freq), got {getattr(given, 'shape', type(given).__name__)}.")
+        given = given.detach().to(device=calibrated.device, dtype=torch.float32)
+        deviation = ((given - calibrated).abs() / calibrated.abs().clamp_min(1e-30)).max().item()
+        if not deviation <= ROPE_FREQUENCY_TOLERANCE:
+            raise ValueError(
+                f"The model's RoPE frequencies differ from the codebooks' by up to {deviation:.2%} (more than a 16-bit "
+                f"rounding, {ROPE_FREQUENCY_TOLERANCE:.0%}): these codebooks were calibrated for another RoPE "
+                "configuration (rope_theta or rope scaling). Calibrate codebooks for this model."
+            )
+        return given
 
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
                  flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS,
                  attention: str = "auto", beam_width: int = DEFAULT_BEAM_WIDTH, gain: str = DEFAULT_GAIN,
-                 codebooks_revision: str | None = None, codebooks_subfolder: str | None = None, **unknown):
+                 codebooks_revision: str | None = None, codebooks_subfolder: str | None = None,
+                 rope_inv_freq: torch.Tensor | None = None, **unknown):
         if unknown:
             raise ValueError(
                 f"Unknown GSRQCache option(s) {sorted(unknown)}; valid cache_config keys are {list(CACHE_CONFIG_KEYS)}."
@@ -535,14 +564,14 @@ class GSRQCache(Cache):
         key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
         value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()
+        rope_inv_freq = self._model_rope_inv_freq(rope_inv_freq)
         if self.codebooks.key_space == "pre_rope":
-            self.ledger.rotary_table = shared_rotary_half_table(self.codebooks.rope_inv_freq,
-                                                                self.codebooks.rope_attention_scaling)
+            self.ledger.rotary_table = shared_rotary_half_table(rope_inv_freq, self.codebooks.rope_attention_scaling)
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
         layer_settings = dict(
             ledger=self.ledger,
             key_space=self.codebooks.key_space,
-            rope_inv_freq=self.codebooks.rope_inv_freq,
+            rope_inv_freq=rope_inv_freq,
             rope_attention_scaling=self.codebooks.rope_attention_scaling,
             window_length=window_length,
             flush_interval=flush_interval,

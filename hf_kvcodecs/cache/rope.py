@@ -111,3 +111,13 @@ def undo_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attentio
     """Inverse of :func:`apply_rope` (the rotation's transpose, divided by the scaling applied twice)."""
     cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
     return (keys * cos - _rotate_half(keys) * sin) / (attention_scaling**2)
+
+
+def model_rope_inv_freq(model) -> torch.Tensor | None:
+    """The RoPE frequencies ``model`` applies: its rotary embedding's ``inv_freq`` buffer as float32 (rounded to bf16
+    if the model was cast with ``.to(torch.bfloat16)``), or None for a model without one."""
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and "rotary" in type(module).__name__.lower():
+            return inv_freq.detach().float().cpu().clone()
+    return None
