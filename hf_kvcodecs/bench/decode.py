@@ -375,7 +375,7 @@ def decode_markdown(results: dict) -> str:
 def same_model_ratios(results: dict) -> list[dict]:
     """Per row, its tokens/s over those of the DynamicCache and of quanto 4-bit that ran on the same copy of the
     model (``SAME_MODEL_REFERENCES``); None where that reference is not among the rows."""
-    speeds = {(row["method"]): row["speed"] for row in results["rows"]}
+    speeds = {row["method"]: row["speed"] for row in results["rows"]}
     out = []
     for row in results["rows"]:
         precision = row.get("precision", "fp32")

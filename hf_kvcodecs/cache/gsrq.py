@@ -509,25 +509,6 @@ class GSRQCache(Cache):
     reads_codes = True  # generate(cache_implementation="gsrq") switches the model to code-reading attention
     takes_model_rope = True  # and passes the model's RoPE frequencies (rope_inv_freq)
 
-    def _model_rope_inv_freq(self, given: torch.Tensor | None) -> torch.Tensor | None:
-        """The frequencies the layers undo and re-apply RoPE with: ``given`` (checked against the calibrated ones)
-        or the calibrated ones."""
-        calibrated = self.codebooks.rope_inv_freq
-        if given is None or calibrated is None:
-            return calibrated
-        if not isinstance(given, torch.Tensor) or tuple(given.shape) != tuple(calibrated.shape):
-            raise ValueError(f"rope_inv_freq must be a tensor of shape {tuple(calibrated.shape)} (the model's "
-                             f"rotary embedding's inv_freq), got {getattr(given, 'shape', type(given).__name__)}.")
-        given = given.detach().to(device=calibrated.device, dtype=torch.float32)
-        deviation = ((given - calibrated).abs() / calibrated.abs().clamp_min(1e-30)).max().item()
-        if not deviation <= ROPE_FREQUENCY_TOLERANCE:
-            raise ValueError(
-                f"The model's RoPE frequencies differ from the codebooks' by up to {deviation:.2%} (more than a 16-bit "
-                f"rounding, {ROPE_FREQUENCY_TOLERANCE:.0%}): these codebooks were calibrated for another RoPE "
-                "configuration (rope_theta or rope scaling). Calibrate codebooks for this model."
-            )
-        return given
-
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
                  flush_interval: int = DEFAULT_FLUSH_INTERVAL, num_sink_tokens: int = DEFAULT_NUM_SINK_TOKENS,
@@ -564,7 +545,7 @@ class GSRQCache(Cache):
         key_stages = self.codebooks.stages_for_bits(self.key_bits, "keys")
         value_stages = self.codebooks.stages_for_bits(self.value_bits, "values")
         self.ledger = PositionLedger()
-        rope_inv_freq = self._model_rope_inv_freq(rope_inv_freq)
+        rope_inv_freq = self._applied_rope_frequencies(rope_inv_freq)
         if self.codebooks.key_space == "pre_rope":
             self.ledger.rotary_table = shared_rotary_half_table(rope_inv_freq, self.codebooks.rope_attention_scaling)
         self.window_length, self.flush_interval, self.num_sink_tokens = window_length, flush_interval, num_sink_tokens
@@ -603,6 +584,25 @@ class GSRQCache(Cache):
         if self.layers:
             self.layers[-1].is_last_layer = True
         logger.info("GSRQCache attention path: %s", attention)
+
+    def _applied_rope_frequencies(self, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The frequencies the layers undo and re-apply RoPE with: ``given`` (checked against the calibrated ones)
+        or the calibrated ones."""
+        calibrated = self.codebooks.rope_inv_freq
+        if given is None or calibrated is None:
+            return calibrated
+        if not isinstance(given, torch.Tensor) or tuple(given.shape) != tuple(calibrated.shape):
+            raise ValueError(f"rope_inv_freq must be a tensor of shape {tuple(calibrated.shape)} (the model's "
+                             f"rotary embedding's inv_freq), got {getattr(given, 'shape', type(given).__name__)}.")
+        given = given.detach().to(device=calibrated.device, dtype=torch.float32)
+        deviation = ((given - calibrated).abs() / calibrated.abs().clamp_min(1e-30)).max().item()
+        if not deviation <= ROPE_FREQUENCY_TOLERANCE:
+            raise ValueError(
+                f"The model's RoPE frequencies differ from the codebooks' by up to {deviation:.2%} (more than a 16-bit "
+                f"rounding, {ROPE_FREQUENCY_TOLERANCE:.0%}): these codebooks were calibrated for another RoPE "
+                "configuration (rope_theta or rope scaling). Calibrate codebooks for this model."
+            )
+        return given
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx >= len(self.layers):
