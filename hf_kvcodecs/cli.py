@@ -335,7 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
     calibrate.add_argument("--key-layout", default=DEFAULT_KEY_LAYOUT, choices=list(LAYOUTS["keys"]),
-                           help="'per_head': one code per key head vector; 'joint_heads': one code per token for all "
+                           help="'per_head': one code per key head vector, codebooks shared by the heads; "
+                                "'per_head_codebooks': the same with each head's own codebooks (lower error, same "
+                                "decode cost); 'joint_heads': one code per token for all "
                                 "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows); "
                                 "'conditional_heads': one code per head vector, each head predicted from the heads "
                                 "decoded before it (about the joint error at the per-head rate)")

@@ -212,7 +212,7 @@ def test_attention_operands_describe_the_decoder(fitted):
 def test_files_round_trip_and_are_checked(conditional_dir, tmp_path):
     codebooks = GSRQCodebooks.load(conditional_dir)
     assert codebooks.layout("keys") == "conditional_heads" and codebooks.layout("values") == "joint_heads"
-    assert json.loads((conditional_dir / METADATA_FILE).read_text())["format_version"] == 4
+    assert json.loads((conditional_dir / METADATA_FILE).read_text())["format_version"] == 5
     assert codebooks.stages_for_bits(2.0, "keys") == 15  # same rate as per-head keys: (2 * 64 - 8) / 8
     x = torch.randn(2, 10, 64)
     again = GSRQCodebooks.load(conditional_dir)

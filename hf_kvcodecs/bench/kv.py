@@ -92,7 +92,8 @@ def layout_family(layout: dict) -> str:
 LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
 # How row labels name a layout that differs from the calibration default.
-_LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "conditional_heads": "conditional on earlier heads",
+_LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "per_head_codebooks": "per head, own codebooks",
+                 "conditional_heads": "conditional on earlier heads",
                  "given_keys": "given the keys"}
 
 

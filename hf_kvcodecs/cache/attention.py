@@ -56,11 +56,19 @@ def _table_loop_fits(key_codec, head_dim: int) -> bool:
                                                                                               key_codec.num_heads)
 
 
+def _predicted_across_heads(key_codec) -> bool:
+    """Whether a key head is rebuilt from other heads' codes too; keys with each head's own codebooks and no
+    prediction (``per_head_codebooks``) are read by the compiled loop like keys with shared codebooks."""
+    return isinstance(key_codec, ConditionalHeadResidualVQ) and key_codec.predicts_across_heads
+
+
 def _native_loop(layer, query: torch.Tensor):
     """The compiled CPU library when this layer's attention can be one ``decode_attention`` call, else None."""
     if layer.key_space != "pre_rope" or query.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    return native_ops() if _table_loop_fits(layer.key_codec, query.shape[-1]) else None
+    key_codec = layer.key_codec
+    fits = not _predicted_across_heads(key_codec) or _table_loop_fits(key_codec, query.shape[-1])
+    return native_ops() if fits else None
 
 
 def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: float) -> torch.Tensor:
@@ -133,8 +141,8 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     held = _DECODE_CONSTANTS.get(layer)
     if held is not None and all(a is b for a, b in zip(held[0], source)):
         return held[1]
-    conditional = isinstance(key_codec, ConditionalHeadResidualVQ)
-    key_table, key_mean = _cpu_key_table(key_codec, table_dtype)
+    conditional = _predicted_across_heads(key_codec)
+    key_table, key_mean = _cpu_key_table(key_codec, table_dtype, per_head=not conditional)
     prediction = predictor = None
     if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
@@ -145,16 +153,20 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     else:
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
     constants = decode_constants(
-        key_levels, key_table, key_mean, key_codec.codebook_size if conditional else key_codec.codebooks.shape[1],
+        key_levels, key_table, key_mean, _codebook_size(key_codec),
         value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, conditional_keys=conditional,
         value_prediction=prediction, value_predictor=predictor)
     _DECODE_CONSTANTS[layer] = (source, constants)
     return constants
 
 
-def _cpu_key_table(key_codec, dtype: torch.dtype):
-    """(the table the CPU loops rebuild keys from, in ``dtype``, the key mean they take with it)."""
+def _cpu_key_table(key_codec, dtype: torch.dtype, per_head: bool = False):
+    """(the table the CPU loops rebuild keys from, in ``dtype``, the key mean they take with it). ``per_head``: keys
+    with each head's own codebooks as a per-head table (the compiled loop's fast path) rather than as the
+    ``coded_attention`` op takes their operands (pairs of heads, the off-diagonal ones zero)."""
     if isinstance(key_codec, ConditionalHeadResidualVQ):
+        if per_head:
+            return key_codec.folded_table(dtype), key_codec.mean
         return key_codec.conditional_key_table(dtype)
     return key_codec.folded_table(dtype), key_codec.attention_operands()[0]
 
@@ -164,3 +176,7 @@ def _scales_and_levels(codec, stored: torch.Tensor, device):
     which the compiled CPU loops read per token instead of a per-step lookup of every scale."""
     levels = codec.scale_level_table(device) if stored.dtype == torch.uint8 else None
     return (stored, levels) if levels is not None else (codec.scale_values(stored), None)
+
+
+def _codebook_size(key_codec) -> int:
+    return key_codec.codebook_size if isinstance(key_codec, ConditionalHeadResidualVQ) else key_codec.codebooks.shape[1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -10,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..cache.rope import find_rotary_parameters
-from ..codecs.conditional import CONDITIONAL_LAYOUT, fit_conditional_head_residual_vq
+from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
 from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
@@ -84,6 +85,9 @@ def fit_gsrq_codebooks(
     if key_layout == CONDITIONAL_LAYOUT and key_space != "pre_rope":
         raise ValueError("key_layout='conditional_heads' predicts keys before RoPE (the prediction does not commute "
                          "with the rotation): use key_space='pre_rope'.")
+    if key_layout == PER_HEAD_CODEBOOKS_LAYOUT and key_space != "pre_rope":
+        raise ValueError("key_layout='per_head_codebooks' is read by the attention as keys coded before RoPE: use "
+                         "key_space='pre_rope' (or key_layout='per_head' for keys coded after RoPE).")
     if value_layout == GIVEN_KEYS_LAYOUT and key_space != "pre_rope":
         raise ValueError("value_layout='given_keys' predicts values from the decoded keys before RoPE (rotated keys "
                          "would make the prediction depend on the position): use key_space='pre_rope'.")
@@ -99,7 +103,9 @@ def fit_gsrq_codebooks(
 
     def fitter(layout):
         return {"joint_heads": fit_joint_head_residual_vq,
-                CONDITIONAL_LAYOUT: fit_conditional_head_residual_vq}.get(layout, fit_transform_residual_vq)
+                CONDITIONAL_LAYOUT: fit_conditional_head_residual_vq,
+                PER_HEAD_CODEBOOKS_LAYOUT: functools.partial(fit_conditional_head_residual_vq, predict=False),
+                }.get(layout, fit_transform_residual_vq)
 
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
@@ -110,7 +116,8 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
+    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT,
+                                  GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
                          "key_layout='per_head', value_layout='per_head' (CLI: --key-layout per_head --value-layout "
                          "per_head).")

@@ -41,6 +41,11 @@ from .residual import (
 )
 
 CONDITIONAL_LAYOUT = "conditional_heads"
+# Each head with its own PCA, codebooks and scale, and no prediction across heads: the conditional codec with zero
+# predictors. Its keys cost the compiled CPU loop what keys with codebooks shared by the heads cost (one folded table
+# per head either way), and on the default model they lower teacher-forced KL by about a third (README, "Keys: own
+# codebooks per head").
+PER_HEAD_CODEBOOKS_LAYOUT = "per_head_codebooks"
 HEAD_SEED_STRIDE = 1000  # head h's codebooks are fitted with seed + HEAD_SEED_STRIDE * h
 
 
@@ -57,6 +62,7 @@ class ConditionalHeadResidualVQ:
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _table_source: "ConditionalHeadResidualVQ | None" = field(default=None, repr=False, compare=False)
     _key_table: tuple | None = field(default=None, repr=False, compare=False)
+    _folded: object = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -74,6 +80,17 @@ class ConditionalHeadResidualVQ:
             if bool(self.predictors[head * dim :, head * dim : (head + 1) * dim].any()):
                 raise ValueError(f"predictors for head {head} read heads {head} or later; only earlier heads can be "
                                  "decoded when it is.")
+        self.predicts_across_heads = bool(self.predictors.any())  # False: the per_head_codebooks layout
+
+    @classmethod
+    def independent(cls, head_codecs: list[TransformResidualVQ], stats: dict | None = None):
+        """Heads coded independently, each with its own codebooks (the ``per_head_codebooks`` layout)."""
+        width = len(head_codecs) * head_codecs[0].head_dim
+        return cls(head_codecs, torch.zeros(width, width, device=head_codecs[0].codebooks.device), stats or {})
+
+    @property
+    def layout(self) -> str:
+        return CONDITIONAL_LAYOUT if self.predicts_across_heads else PER_HEAD_CODEBOOKS_LAYOUT
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @property
@@ -176,6 +193,8 @@ class ConditionalHeadResidualVQ:
 
     def _prediction(self, head: int, residuals: list[torch.Tensor]):
         prediction = 0.0
+        if not self.predicts_across_heads:
+            return prediction
         for source, residual in enumerate(residuals[:head]):
             prediction = prediction + residual @ self._block(source, head)
         return prediction
@@ -238,17 +257,40 @@ class ConditionalHeadResidualVQ:
                                  mean.reshape(self.num_heads, -1).contiguous())
         return source._key_table
 
+    def folded_table(self, dtype: torch.dtype = torch.float32):
+        """Heads coded independently only: ``[H, S'*K, D]``, each head's own codebooks times its synthesis matrix, as
+        the compiled CPU loop reads per-head keys (the same form as ``TransformResidualVQ.folded_table``, whose heads
+        share one set of codebooks); ``S'`` is the full-rate codec's stages (lower rates read a prefix)."""
+        if self.predicts_across_heads:
+            raise ValueError("Keys predicted across heads are read from conditional_key_table(), not a per-head table.")
+        source = self._table_source or self
+        folded = source._folded
+        if folded is None or folded.device != self.predictors.device or folded.dtype != dtype:
+            from ..kernels.cpu import FixedPointKeyTable, folded_key_table
+
+            table = torch.cat([folded_key_table(codec.attention_operands()[1], codec.codebooks, codec.stage_groups)
+                               for codec in source.head_codecs])
+            folded = FixedPointKeyTable(table, self.codebook_size) if dtype == torch.int16 else table.to(dtype)
+            source._folded = folded
+        return folded
+
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
-        tensors = {f"{prefix}.predictors": self.predictors.contiguous()}
+        tensors = {f"{prefix}.predictors": self.predictors.contiguous()} if self.predicts_across_heads else {}
         for head, codec in enumerate(self.head_codecs):
             tensors.update(codec.state_dict(f"{prefix}.head.{head}"))
         return tensors
 
     @classmethod
-    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int, stats=None):
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int, stats=None,
+                        *, layout: str = CONDITIONAL_LAYOUT):
         head_codecs = [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim)
                        for head in range(num_heads)]
+        if layout == PER_HEAD_CODEBOOKS_LAYOUT:
+            if f"{prefix}.predictors" in tensors:
+                raise ValueError(f"{prefix} holds cross-head predictors, but the layout is {PER_HEAD_CODEBOOKS_LAYOUT} "
+                                 f"(heads coded independently); a {CONDITIONAL_LAYOUT} file was relabelled")
+            return cls.independent(head_codecs, stats)
         return cls(head_codecs, tensors[f"{prefix}.predictors"].float(), stats or {})
 
 
@@ -258,11 +300,13 @@ def fit_conditional_head_residual_vq(
     max_stages: int,
     seed: int = 0,
     metric: torch.Tensor | None = None,
+    predict: bool = True,
     **fit_settings,
 ) -> ConditionalHeadResidualVQ:
     """Fit a conditional-head codec on calibration keys ``samples`` (``[H, N, D]``): head after head, the predictor of
     head ``h`` by least squares from the heads before it *as decoded* (at ``max_stages``), then a single-head
-    :func:`fit_transform_residual_vq` on what it leaves."""
+    :func:`fit_transform_residual_vq` on what it leaves. ``predict=False``: no predictors, each head's codec fitted
+    on its own keys (the ``per_head_codebooks`` layout)."""
     if samples.ndim != 3:
         raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
     if metric is not None:
@@ -274,7 +318,7 @@ def fit_conditional_head_residual_vq(
     head_codecs, decoded = [], []
     for head in range(heads):
         target = x[head]
-        if head:
+        if head and predict:
             sources = torch.cat(decoded, -1)  # [N, h*D]
             solution = ridge_regression(sources, target)
             predictors[: head * dim, head * dim : (head + 1) * dim] = solution
@@ -282,7 +326,11 @@ def fit_conditional_head_residual_vq(
         codec = fit_transform_residual_vq(target[None], max_stages=max_stages, seed=seed + HEAD_SEED_STRIDE * head,
                                           **fit_settings)
         head_codecs.append(codec)
-        decoded.append(x[head] - target + codec.reconstruct(target[None])[0])
+        if predict and head < heads - 1:  # what the next heads are predicted from
+            decoded.append(x[head] - target + codec.reconstruct(target[None])[0])
+    if not predict:
+        return ConditionalHeadResidualVQ.independent(
+            head_codecs, {"layout": PER_HEAD_CODEBOOKS_LAYOUT, "heads": [codec.stats for codec in head_codecs]})
     stats = {"layout": CONDITIONAL_LAYOUT, "heads": [codec.stats for codec in head_codecs]}
     return ConditionalHeadResidualVQ(head_codecs, predictors, stats)
 

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .conditional import CONDITIONAL_LAYOUT, ConditionalHeadResidualVQ
+from .conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ
 from .given_keys import GIVEN_KEYS_LAYOUT, KeyPredictedValueVQ
 from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
 from .residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
@@ -22,12 +22,13 @@ FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
 # "value_layout", each "per_head" or "joint_heads" (tensors "*.shape.*" plus the per-head "*.log_scale_range");
 # 4: "key_layout" may also be "conditional_heads" (tensors "*.predictors" and one codec per head, "*.head.{h}.*"),
-# "value_layout" also "given_keys" (tensors "*.predictor" and a joint code of the residual, "*.residual.*")
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)  # version 1 files have fp16 scales; 1 and 2 are per-head
+# "value_layout" also "given_keys" (tensors "*.predictor" and a joint code of the residual, "*.residual.*");
+# 5: "key_layout" may also be "per_head_codebooks" (one codec per head, "*.head.{h}.*", no predictors)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)  # version 1 files have fp16 scales; 1 and 2 are per-head
 # The JSON description is a few hundred KB for a 30-layer model; a file far larger is not one (and is not parsed).
 MAX_METADATA_BYTES = 64 * 2**20
-LAYOUTS = {"keys": CODEC_LAYOUTS + (CONDITIONAL_LAYOUT,), "values": CODEC_LAYOUTS + (GIVEN_KEYS_LAYOUT,)}
+LAYOUTS = {"keys": CODEC_LAYOUTS + (PER_HEAD_CODEBOOKS_LAYOUT, CONDITIONAL_LAYOUT), "values": CODEC_LAYOUTS + (GIVEN_KEYS_LAYOUT,)}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -78,9 +79,10 @@ class GSRQCodebooks:
         return min(c.bits_per_element() for c in self.key_codecs + self.value_codecs)
 
     def layout(self, kind: str) -> str:
-        """How ``kind`` ("keys"/"values") is coded: ``"per_head"`` (one code per head vector), ``"joint_heads"``
-        (one code per token for all its heads) or, keys only, ``"conditional_heads"`` (one code per head vector, each
-        head predicted from the heads decoded before it)."""
+        """How ``kind`` ("keys"/"values") is coded: ``"per_head"`` (one code per head vector, codebooks shared by
+        the heads), ``"joint_heads"`` (one code per token for all its heads), keys only ``"per_head_codebooks"`` (one
+        code per head vector, each head with its own codebooks) and ``"conditional_heads"`` (the same, each head
+        predicted from the heads decoded before it), values only ``"given_keys"``."""
         return layout_of(self.config, kind)
 
     def stages_for_bits(self, bits: float, kind: str = "keys") -> int:
@@ -242,8 +244,9 @@ class GSRQCodebooks:
             prefix, codec_stats = f"layers.{index}.{kind}", _at(stats.get(kind), index)
             if layout_of(config, kind) == "joint_heads":
                 return JointHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
-            if layout_of(config, kind) == CONDITIONAL_LAYOUT:
-                return ConditionalHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
+            if layout_of(config, kind) in (CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT):
+                return ConditionalHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats,
+                                                                 layout=layout_of(config, kind))
             if layout_of(config, kind) == GIVEN_KEYS_LAYOUT:
                 return KeyPredictedValueVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
             return TransformResidualVQ.from_state_dict(tensors, prefix, group_dim, codec_stats)
@@ -261,7 +264,8 @@ class GSRQCodebooks:
             _validate_codec(codec, config, tensors_path)
         if config.get("key_space") not in KEY_SPACES:
             raise CodebookFileError(f"{metadata_path}: key_space must be one of {KEY_SPACES}, got {config.get('key_space')!r}.")
-        for kind, layout in (("keys", CONDITIONAL_LAYOUT), ("values", GIVEN_KEYS_LAYOUT)):
+        for kind, layout in (("keys", CONDITIONAL_LAYOUT), ("keys", PER_HEAD_CODEBOOKS_LAYOUT),
+                             ("values", GIVEN_KEYS_LAYOUT)):
             if layout_of(config, kind) == layout and config["key_space"] != "pre_rope":
                 raise CodebookFileError(f"{metadata_path}: {layout} {kind} need keys coded before RoPE (key_space "
                                         f"'pre_rope'), got {config['key_space']!r}; re-run calibrate.")
