@@ -4,7 +4,8 @@ the heads before it, close the quality gap to the joint-head key codec without i
 Four key codecs at 2 bits per element, the same jointly coded values (the default calibration's) in all of them, on
 ``bench kv``'s teacher-forced protocol (fp32 DynamicCache reference, held-out licence texts):
 
-* ``per-head keys`` — the default calibration: one PCA per head, residual codebooks shared by the heads;
+* ``per-head keys`` — ``--key-layout per_head`` (the default until 2026-12-03): one PCA per head, residual codebooks
+  shared by the heads;
 * ``joint keys`` — ``hf-kvcodecs calibrate --key-layout joint_heads``: one code over the three heads (3x the stages,
   every key rebuilt from 3x the codebook rows on the CPU code path);
 * ``per-head keys, own codebooks`` — each head fitted on its own (its own PCA and codebooks; the CPU code path reads
@@ -14,7 +15,8 @@ Four key codecs at 2 bits per element, the same jointly coded values (the defaul
   code path this would add a 64x(64h) matrix-vector product per token to the key loop (the prediction does not commute
   with RoPE, so it cannot move to the query side).
 
-Conditional keys have since become a layout of the cache (``hf-kvcodecs calibrate --key-layout conditional_heads``,
+Own codebooks per head became the default key layout on 2026-12-03 (``per_head_codebooks``). Conditional keys have
+since become a layout of the cache (``hf-kvcodecs calibrate --key-layout conditional_heads``,
 :mod:`hf_kvcodecs.codecs.conditional`, with ridge-regularized predictors and a code-reading CPU loop); this script
 keeps its own plain least-squares version, which produced ``benchmarks/results/key_codebooks.md``.
 
@@ -117,7 +119,8 @@ def fit_headwise(keys, stages, fit_settings, layer_seed, conditional: bool) -> H
 
 
 def run_seed(loaded, seed: int, passkey_trials: int, progress: bool) -> dict:
-    per_head, _, _ = ensure_codebooks(loaded, seed=seed, progress=progress)
+    # keys per head with codebooks shared by the heads (the default layout until own codebooks per head replaced it)
+    per_head, _, _ = ensure_codebooks(loaded, seed=seed, key_layout="per_head", progress=progress)
     joint, _, _ = ensure_codebooks(loaded, seed=seed, key_layout="joint_heads", progress=progress)
     defaults = calibration_defaults()  # what the default calibration above was fitted with
     window, sampled, windows, holdout = (defaults[name] for name in

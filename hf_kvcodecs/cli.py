@@ -14,7 +14,7 @@ from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .bench.harness import BASELINE_IDS
 from .bench.kv import GSRQ_LEARNERS, GSRQ_RATES
 from .codecs.gsrq_codebooks import LAYOUTS
-from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
+from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, POST_ROPE_KEY_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
 
@@ -334,10 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--metric", default="none", choices=["none", "attention"],
                            help="'attention': weight key errors by query energy, value errors by the output projection")
     calibrate.add_argument("--key-space", default="pre_rope", choices=["pre_rope", "post_rope"])
-    calibrate.add_argument("--key-layout", default=DEFAULT_KEY_LAYOUT, choices=list(LAYOUTS["keys"]),
-                           help="'per_head': one code per key head vector, codebooks shared by the heads; "
-                                "'per_head_codebooks': the same with each head's own codebooks (lower error, same "
-                                "decode cost); 'joint_heads': one code per token for all "
+    calibrate.add_argument("--key-layout", default=None, choices=list(LAYOUTS["keys"]),
+                           help=f"'per_head_codebooks' (default; {POST_ROPE_KEY_LAYOUT} with --key-space post_rope): "
+                                "one code per key head vector, each head with its own codebooks; 'per_head': the same "
+                                "with codebooks shared by the heads (higher error, same decode cost); 'joint_heads': "
+                                "one code per token for all "
                                 "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows); "
                                 "'conditional_heads': one code per head vector, each head predicted from the heads "
                                 "decoded before it (about the joint error at the per-head rate)")

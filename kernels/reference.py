@@ -135,6 +135,24 @@ def is_conditional(key_synthesis: torch.Tensor) -> bool:
     return key_synthesis.ndim == 4
 
 
+# Per synthesis tensor (and its version): whether any block [j, h], j < h, is non-zero. Keys with each head's own
+# codebooks and no prediction across heads (the per_head_codebooks layout) have none; the cache passes the same tensor
+# at every step, so the device is asked once, not per step.
+_CROSS_HEAD_BLOCKS = WeakTensorKeyDictionary()
+
+
+def has_cross_head_blocks(key_synthesis: torch.Tensor) -> bool:
+    """Whether conditional key operands (synthesis ``[Hkv, Hkv, D, D]``) rebuild a head from other heads' codes."""
+    cached = _CROSS_HEAD_BLOCKS.get(key_synthesis)
+    if cached is None or cached[0] != key_synthesis._version:
+        heads = key_synthesis.shape[0]
+        later = torch.arange(heads, device=key_synthesis.device)
+        cross = (later[:, None] < later[None, :])[..., None, None]  # [j, h] with j < h
+        cached = (key_synthesis._version, bool((key_synthesis * cross).any()))
+        _CROSS_HEAD_BLOCKS[key_synthesis] = cached
+    return cached[1]
+
+
 def conditional_dequantize_reference(codes, scales, mean, synthesis, codebooks, stage_groups, dtype=torch.float32):
     """Keys coded conditionally across heads: codes ``[B, H, N, S]`` + scales ``[B, H, N]`` -> ``[B, H, N, D]``,
     head ``h`` = ``sum_{j <= h} s_j (mean[j, h] + z_j @ synthesis[j, h])`` with ``z_j`` from head ``j``'s codes and
@@ -142,11 +160,13 @@ def conditional_dequantize_reference(codes, scales, mean, synthesis, codebooks, 
     work = torch.float64 if dtype == torch.float64 else torch.float32
     heads = scales.shape[1]
     keys = torch.zeros(*scales.shape, synthesis.shape[-1], dtype=work, device=codes.device)
+    cross_head = has_cross_head_blocks(synthesis)
     for source in range(heads):
+        targets = slice(source, None if cross_head else source + 1)  # only the head itself without cross blocks
         z = _transform_domain(codes[:, source], codebooks[source].to(work), stage_groups[source], synthesis.shape[-2])
-        onward = torch.einsum("bnd,hde->bhne", z, synthesis[source, source:].to(work))
-        part = mean[source, source:].to(work)[None, :, None, :] + onward
-        keys[:, source:] += part * scales[:, source].to(work)[:, None, :, None]
+        onward = torch.einsum("bnd,hde->bhne", z, synthesis[source, targets].to(work))
+        part = mean[source, targets].to(work)[None, :, None, :] + onward
+        keys[:, targets] += part * scales[:, source].to(work)[:, None, :, None]
     return keys.to(dtype)
 
 

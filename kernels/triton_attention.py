@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import cached_fold_value_prediction, check_coded_operands, is_conditional, softmax_with_lse
+from .reference import (cached_fold_value_prediction, check_coded_operands, has_cross_head_blocks, is_conditional,
+                        softmax_with_lse)
 
 
 @triton.jit
@@ -46,10 +47,11 @@ def _transform_tile(codes_ptr, codebooks_ptr, groups_ptr, token_offsets, token_m
 @triton.jit
 def _conditional_keys(codes_ptr, scales_ptr, codebooks_ptr, groups_ptr, mean_ptr, synthesis_ptr, batch, head, tokens,
                       token_mask, N, S, HKV, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      BLOCK_N: tl.constexpr, CROSS_HEAD: tl.constexpr):
     """Pre-RoPE keys of ``head`` for a block of tokens, both halves ``[BLOCK_N, HALF]``, scales included:
     ``sum_{j<=head} s_j (mean[j, head] + z_j @ synthesis[j, head])`` (codes ``[B, HKV, N, S]``, codebooks
-    ``[HKV, S, K, GD]``, groups ``[HKV, S]``, mean ``[HKV, HKV, D]``, synthesis ``[HKV, HKV, D, D]``)."""
+    ``[HKV, S, K, GD]``, groups ``[HKV, S]``, mean ``[HKV, HKV, D]``, synthesis ``[HKV, HKV, D, D]``); only the term
+    ``j = head`` when ``CROSS_HEAD`` is false."""
     halves = tl.arange(0, HALF)
     transform = tl.arange(0, D)
     keys_lo = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
@@ -58,7 +60,12 @@ def _conditional_keys(codes_ptr, scales_ptr, codebooks_ptr, groups_ptr, mean_ptr
     # registers), about D*D*4 bytes per source and block against BLOCK_N * S code bytes, plus a [BLOCK_N, D] x [D, D]
     # product per source: gpu_decode.py times this path next to the per-head one (its byte count leaves the pair
     # matrices out).
-    for source in range(0, head + 1):
+    # without cross-head blocks (each head's own codebooks, no prediction) only the pair [head, head] is non-zero
+    if CROSS_HEAD:
+        first = 0
+    else:
+        first = head
+    for source in range(first, head + 1):
         offsets = (batch * HKV + source) * N + tokens
         z = _transform_tile(codes_ptr, codebooks_ptr + source * S * K * GD, groups_ptr + source * S, offsets,
                             token_mask, S, K, GD, D, BLOCK_N)
@@ -85,7 +92,7 @@ def _coded_attention_kernel(
     attention_scaling, K: tl.constexpr, GD: tl.constexpr, D: tl.constexpr, KEY_DT_BLOCK: tl.constexpr,
     VALUE_DT_BLOCK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
-    CONDITIONAL: tl.constexpr, PREDICTED_VALUES: tl.constexpr,
+    CONDITIONAL: tl.constexpr, CROSS_HEAD: tl.constexpr, PREDICTED_VALUES: tl.constexpr,
 ):
     batch_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -147,7 +154,7 @@ def _coded_attention_kernel(
         if CONDITIONAL:  # scales applied per source head, inside
             keys_lo, keys_hi = _conditional_keys(key_codes_ptr, key_scales_ptr, key_codebooks_ptr, key_groups_ptr,
                                                  key_mean_ptr, key_synthesis_ptr, batch, head, tokens, token_mask, N,
-                                                 SK, HKV, K, GD, D, HALF, BLOCK_N)
+                                                 SK, HKV, K, GD, D, HALF, BLOCK_N, CROSS_HEAD)
             key_scale = tl.full((BLOCK_N,), 1.0, dtype=tl.float32)
         else:
             z = _transform_tile(key_codes_ptr, key_codebooks_ptr, key_groups_ptr, key_offsets, token_mask, SK, K, GD,
@@ -288,7 +295,7 @@ def coded_attention_triton(
         KEY_DT_BLOCK=triton.next_power_of_2(key_synthesis.shape[-2]),
         VALUE_DT_BLOCK=triton.next_power_of_2(value_synthesis.shape[1]), HALF=dim // 2,
         BLOCK_M=block_m, BLOCK_N=block_n, ROPE=rope, HAS_MASK=mask is not None, CONDITIONAL=conditional,
-        PREDICTED_VALUES=value_predictor is not None,
+        CROSS_HEAD=conditional and has_cross_head_blocks(key_synthesis), PREDICTED_VALUES=value_predictor is not None,
     )
     out = out.reshape(batch, kv_heads, num_splits, rows, dim)
     lse = lse.reshape(batch, kv_heads, num_splits, rows)

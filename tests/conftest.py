@@ -53,7 +53,8 @@ def tiny_token_stream():
 
 @pytest.fixture(scope="session")
 def tiny_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
-    """Codebooks with the default layouts (keys per head, values one code per token for both KV heads)."""
+    """Codebooks with the default layouts (keys per head with each head's own codebooks, values one code per token for
+    both KV heads)."""
     return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_codebooks"))
 
 
@@ -73,9 +74,10 @@ def tiny_joint_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_given_keys_codebooks_dir(tiny_model, tiny_token_stream, tmp_path_factory):
-    """Keys per head, values coded jointly given the token's decoded keys."""
+    """Keys per head (shared codebooks), values coded jointly given the token's decoded keys (with each head's own key
+    codebooks: tests/test_per_head_codebooks.py)."""
     return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_given_keys_codebooks"),
-                           value_layout="given_keys")
+                           key_layout="per_head", value_layout="given_keys")
 
 
 def _tiny_codebooks(model, token_stream, directory, **settings):

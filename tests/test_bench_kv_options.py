@@ -25,7 +25,8 @@ def test_baselines_can_be_chosen_and_the_reference_always_runs(tiny_model):
 
 def test_codec_layout_names_only_what_differs_from_the_default():
     assert kv.codec_layout() == ("", {})
-    assert kv.codec_layout("per_head", "joint_heads") == ("", {})  # the defaults, spelled out
+    assert kv.codec_layout("per_head_codebooks", "joint_heads") == ("", {})  # the defaults, spelled out
+    assert kv.codec_layout("per_head") == (", keys per head", {"key_layout": "per_head"})  # shared codebooks
     assert kv.codec_layout("conditional_heads") == (", keys conditional on earlier heads",
                                                     {"key_layout": "conditional_heads"})
     assert kv.codec_layout("joint_heads", "per_head") == (", keys joint over heads, values per head",
@@ -136,7 +137,7 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
     with pytest.raises(ValueError, match="bits must be a positive"):
         runs("hf-kvcodecs bench kv --bits 0")
     # tiny model: head_dim 16, 2 KV heads; one 8-bit index + an 8-bit scale per head vector = 1 bit per element
-    with pytest.raises(ValueError, match=r"--bits 0.8 is below the lowest rate .* keys coded per head \(1.000 bits"):
+    with pytest.raises(ValueError, match=r"--bits 0.8 is below the lowest rate .* keys coded per head, own codebooks \(1.000 bits"):
         runs("hf-kvcodecs bench kv --bits 0.8 2")
     with pytest.raises(ValueError, match=r"--bits 0.7 is below .* keys coded joint over heads \(0.750 bits"):
         runs("hf-kvcodecs bench kv --bits 0.7 --key-layout joint_heads")

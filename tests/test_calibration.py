@@ -21,7 +21,8 @@ def test_calibration_is_deterministic_for_a_seed(tiny_model, tiny_token_stream, 
 def test_attention_metric_calibration_runs_and_is_recorded(tiny_model, tiny_token_stream):
     with pytest.raises(ValueError, match="metric='attention' needs per-head layouts"):
         fit_gsrq_codebooks(tiny_model, tiny_token_stream, metric="attention", **SMALL)
-    codebooks = fit_gsrq_codebooks(tiny_model, tiny_token_stream, metric="attention", value_layout="per_head", **SMALL)
+    codebooks = fit_gsrq_codebooks(tiny_model, tiny_token_stream, metric="attention", key_layout="per_head",
+                                   value_layout="per_head", **SMALL)  # own key codebooks: test_per_head_codebooks.py
     assert codebooks.config["metric"] == "attention"
     assert all(codec.synthesis is not None for codec in codebooks.key_codecs + codebooks.value_codecs)
     ids = tiny_token_stream[:40][None]

@@ -249,12 +249,19 @@ _DELETE = object()
     (_set("format_version", "4"), "format_version='4'"),
     (_set("rope_attention_scaling", float("nan")), "rope_attention_scaling must be a positive finite number"),
     (_set("rope_attention_scaling", 0), "rope_attention_scaling must be a positive finite number"),
-    (_set("config", "key_space", "post_rope"), "says keys are coded after RoPE"),
+    (_set("config", "key_space", "post_rope"), "per_head_codebooks keys need keys coded before RoPE"),
 ], ids=["no-config", "layers-text", "no-layers", "fewer-layers", "group-dim-0", "stats-text", "version-bool",
         "version-text", "scaling-nan", "scaling-0", "key-space-edited"])
 def test_damaged_descriptions_are_codebook_file_errors(tiny_codebooks_dir, tmp_path, edit, message):
     with pytest.raises(CodebookFileError, match=message):
         GSRQCodebooks.load(_edit_metadata(tiny_codebooks_dir, tmp_path, edit))
+
+
+def test_key_space_edited_on_shared_codebooks_is_refused(tiny_per_head_codebooks_dir, tmp_path):
+    """Keys per head with shared codebooks may be coded after RoPE: the stored rotary frequencies give the edit away."""
+    edited = _edit_metadata(tiny_per_head_codebooks_dir, tmp_path, _set("config", "key_space", "post_rope"))
+    with pytest.raises(CodebookFileError, match="says keys are coded after RoPE"):
+        GSRQCodebooks.load(edited)
 
 
 def test_deeply_nested_or_huge_descriptions_are_refused_without_parsing(tiny_codebooks_dir, tmp_path):
@@ -416,9 +423,10 @@ def test_saved_files_reach_the_disk_before_they_are_moved_into_place(tiny_codebo
     GSRQCodebooks.load(target)
 
 
-@pytest.mark.parametrize("name, dtype", [("layers.0.keys.stage_groups", torch.float32),
-                                         ("layers.0.keys.codebooks", torch.int32),
-                                         ("layers.0.keys.mean", torch.bool)])
+@pytest.mark.parametrize("name, dtype", [("layers.0.keys.head.0.stage_groups", torch.float32),
+                                         ("layers.0.keys.head.1.codebooks", torch.int32),
+                                         ("layers.0.keys.head.0.mean", torch.bool),
+                                         ("layers.1.values.shape.codebooks", torch.int64)])
 def test_tensors_of_the_wrong_dtype_are_refused(tiny_codebooks_dir, tmp_path, name, dtype):
     from safetensors.torch import load_file
 

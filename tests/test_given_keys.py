@@ -22,9 +22,16 @@ def _prompt(batch=2, length=60, seed=11):
     return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(scope="module")
+def shared_keys_dir(tiny_model, tiny_token_stream, tmp_path_factory):
+    """The default value layout (joint) with the keys of tiny_given_keys_codebooks_dir (per head, shared codebooks)."""
+    return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_shared_keys_codebooks"),
+                           key_layout="per_head")
+
+
 def test_calibration_fits_a_prediction_from_the_keys_that_lowers_the_value_error(tiny_given_keys_codebooks_dir,
-                                                                                  tiny_codebooks_dir):
-    given, joint = GSRQCodebooks.load(tiny_given_keys_codebooks_dir), GSRQCodebooks.load(tiny_codebooks_dir)
+                                                                                  shared_keys_dir):
+    given, joint = GSRQCodebooks.load(tiny_given_keys_codebooks_dir), GSRQCodebooks.load(shared_keys_dir)
     assert given.layout("values") == "given_keys" and isinstance(given.value_codecs[0], KeyPredictedValueVQ)
     # same rate, same residual code shape as the joint value codec: one code row per token for both heads
     assert given.value_codecs[0].num_stages == joint.value_codecs[0].num_stages
@@ -34,12 +41,12 @@ def test_calibration_fits_a_prediction_from_the_keys_that_lowers_the_value_error
     given_error = given.calibration["holdout_mean"]["values_relative_mse"]
     joint_error = joint.calibration["holdout_mean"]["values_relative_mse"]
     assert given_error < 0.85 * joint_error
-    # the keys are coded as by the default layout: same key error
+    # the keys are coded alike: same key error
     assert given.calibration["holdout_mean"]["keys_relative_mse"] == pytest.approx(
         joint.calibration["holdout_mean"]["keys_relative_mse"], rel=1e-6)
 
 
-def test_the_cache_codes_values_against_the_keys_it_decodes(tiny_model, tiny_given_keys_codebooks_dir, tiny_codebooks_dir):
+def test_the_cache_codes_values_against_the_keys_it_decodes(tiny_model, tiny_given_keys_codebooks_dir, shared_keys_dir):
     """Closed loop: the values the cache decodes are closer to the model's values than the joint codec's at the same
     rate, and equal the codec's decode given the cache's own decoded (pre-RoPE) keys."""
     ids = _prompt(batch=4, length=128)
@@ -47,7 +54,7 @@ def test_the_cache_codes_values_against_the_keys_it_decodes(tiny_model, tiny_giv
         reference = DynamicCache()
         tiny_model(ids, cache=reference)
         errors = {}
-        for name, directory in (("given", tiny_given_keys_codebooks_dir), ("joint", tiny_codebooks_dir)):
+        for name, directory in (("given", tiny_given_keys_codebooks_dir), ("joint", shared_keys_dir)):
             cache = GSRQCache(tiny_model.config, codebooks=directory, bits=TINY_BITS, **CODED)
             tiny_model(ids, cache=cache)
             errors[name] = []

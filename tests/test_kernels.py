@@ -55,6 +55,11 @@ def make_problem(batch=2, kv_heads=2, group_count=3, query_length=1, tokens=70, 
     key_joint, value_joint = joint is True, joint in (True, "values")
     if conditional:
         key_codec = random_conditional_codec(kv_heads, dim, stages, size, group_dim, generator)
+        if conditional == "own_codebooks":  # per_head_codebooks keys: no block reads another head's codes
+            mean, synthesis, *rest = key_codec
+            other = ~torch.eye(kv_heads, dtype=torch.bool)
+            mean[other], synthesis[other] = 0.0, 0.0
+            key_codec = (mean, synthesis, *rest)
     else:
         key_codec = random_codec(kv_heads, dim, stages, size, group_dim, generator, key_joint)
     value_codec = random_codec(kv_heads, dim, stages + 1, size, group_dim, generator, value_joint)
@@ -292,6 +297,27 @@ def test_conditional_keys_match_float64_within_pytorch_error(shape, dtype):
     """Keys coded conditionally across heads: every implementation (compiled loop where it is built for the shape,
     the reference elsewhere on CPU, Triton) against float64 dequantize-then-attend."""
     assert_within_pytorch_error(make_problem(conditional=True, rope=True, **shape), dtype)
+
+
+@pytest.mark.parametrize("shape", CONDITIONAL_SHAPES[::2], ids=["dim64-gqa3", "dim32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_with_each_heads_own_codebooks_match_float64_within_pytorch_error(shape, dtype):
+    """Conditional operands without cross-head blocks (the per_head_codebooks layout): the Triton kernel and the
+    reference read only each head's own pair, and every implementation still matches float64."""
+    problem = make_problem(conditional="own_codebooks", rope=True, **shape)
+    assert not reference.has_cross_head_blocks(problem["key_codec"][1])
+    assert reference.has_cross_head_blocks(make_problem(conditional=True, rope=True, **shape)["key_codec"][1])
+    assert_within_pytorch_error(problem, dtype)
+
+
+def test_cross_head_check_follows_in_place_changes():
+    synthesis = make_problem(conditional="own_codebooks", rope=True, **CONDITIONAL_SHAPES[0])["key_codec"][1]
+    assert not reference.has_cross_head_blocks(synthesis)
+    synthesis[0, 2, 3, 4] = 0.5  # head 2 now reads head 0's codes
+    assert reference.has_cross_head_blocks(synthesis)
+    synthesis[2, 0, 3, 4] = 0.5  # a later head's block for an earlier one is never read: not a cross-head block
+    synthesis[0, 2, 3, 4] = 0.0
+    assert not reference.has_cross_head_blocks(synthesis)
 
 
 def test_conditional_keys_join_exact_tokens_read_scale_levels_and_a_shared_table():

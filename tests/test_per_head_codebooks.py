@@ -73,11 +73,12 @@ def test_folded_table_rebuilds_the_decoded_keys(fitted, dtype):
     own, _, test = fitted
     for codec in (own, own.truncated(4)):
         codes, scales = codec.encode(test[:, :50])
-        table = codec.folded_table(dtype)
+        table, mean = codec.folded_table(dtype)
+        torch.testing.assert_close(mean, codec.mean)
         assert table.shape == (HEADS, own.num_stages * own.codebook_size, DIM)
         rows = table.float() if isinstance(table, FixedPointKeyTable) else table
         offsets = torch.arange(codec.num_stages) * codec.codebook_size
-        rebuilt = rows[torch.arange(HEADS)[:, None, None], codes.long() + offsets].sum(-2) + codec.mean[:, None]
+        rebuilt = rows[torch.arange(HEADS)[:, None, None], codes.long() + offsets].sum(-2) + mean[:, None]
         rebuilt = rebuilt * codec.scale_values(scales)[..., None]
         tolerance = 1e-4 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(rebuilt, codec.decode(codes, scales), rtol=tolerance, atol=tolerance)
@@ -201,10 +202,22 @@ def test_cache_holds_one_code_row_per_head(model64, own_dir):
     assert layer.key_codes.shape[1] == 2 and layer.key_codes.shape[-1] == 15
 
 
-def test_calibration_refuses_them_after_rope_and_with_the_attention_metric(model64, tiny_token_stream):
-    settings = dict(text_info={"description": "unit test"}, bits=2.0, window_tokens=128, num_windows=2,
-                    holdout_windows=1, progress=False, key_layout=PER_HEAD_CODEBOOKS_LAYOUT)
+def test_calibration_refuses_them_after_rope(model64, tiny_token_stream):
+    settings = dict(text_info={"description": "unit test"}, bits=2.0, window_tokens=128, sampled_tokens_per_window=64,
+                    num_windows=2, holdout_windows=1, progress=False)
     with pytest.raises(ValueError, match="per_head_codebooks.*key_space='pre_rope'"):
-        fit_gsrq_codebooks(model64, tiny_token_stream, key_space="post_rope", **settings)
-    with pytest.raises(ValueError, match="metric='attention' needs per-head layouts"):
-        fit_gsrq_codebooks(model64, tiny_token_stream, metric="attention", value_layout="per_head", **settings)
+        fit_gsrq_codebooks(model64, tiny_token_stream, key_space="post_rope", key_layout=PER_HEAD_CODEBOOKS_LAYOUT,
+                           **settings)
+    post_rope = fit_gsrq_codebooks(model64, tiny_token_stream, key_space="post_rope", n_iter=2, fit_rows=256, **settings)
+    assert post_rope.layout("keys") == "per_head"  # the default key layout for keys coded after RoPE
+
+
+def test_attention_metric_weights_each_heads_own_fit(tiny_model, tiny_token_stream):
+    """Each head's codec gets its slice of the metric (``--metric attention`` works with the default key layout)."""
+    codebooks = fit_gsrq_codebooks(tiny_model, tiny_token_stream, text_info={"description": "unit test"}, bits=2.0,
+                                   metric="attention", value_layout="per_head", window_tokens=128,
+                                   sampled_tokens_per_window=64, num_windows=2,
+                                   holdout_windows=1, n_iter=2, fit_rows=256, progress=False)
+    assert codebooks.layout("keys") == PER_HEAD_CODEBOOKS_LAYOUT and codebooks.config["metric"] == "attention"
+    for codec in codebooks.key_codecs:
+        assert all(head.synthesis is not None and head.stats["metric"] for head in codec.head_codecs)

@@ -47,9 +47,10 @@ DECODE_CONTEXTS = (1024, 4096, 8192)
 # Throughput window: four whole flush cycles of the GSRQ cache (its window of 32 exact tokens is encoded down to 32
 # once it exceeds 32 + 32, i.e. 33 tokens every 33 steps) and about one of quanto (re-quantizes every 128 tokens).
 DECODE_STEPS = 132
-# Codec layouts measured next to the default (keys per head, values joint): the previous default, both joint, and keys
-# coded conditionally on the heads before them.
-LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
+# Codec layouts measured next to the default (keys per head with each head's own codebooks, values joint): the two
+# previous defaults, both joint, and keys coded conditionally on the heads before them.
+LAYOUT_VARIANTS = ((", keys per head, shared codebooks", {"key_layout": "per_head"}),
+                   (", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}),
                    (", keys conditional on earlier heads, values given the keys",

@@ -11,7 +11,7 @@ import torch
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS, heads_per_code
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
-from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT
+from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, default_key_layout
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
@@ -87,9 +87,10 @@ def layout_family(layout: dict) -> str:
     return "(" + ", ".join(f"{name.split('_')[0]}s {value.replace('_', '-')}" for name, value in sorted(layout.items())) + ")"
 
 
-# The previous default (keys and values coded per head vector) and keys coded conditionally on the heads before them
-# next to the default, on the same seed.
-LAYOUT_VARIANTS = ((", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
+# The two previous defaults (keys per head with codebooks shared by the heads; keys and values coded per head vector)
+# and keys coded conditionally on the heads before them next to the default, on the same seed.
+LAYOUT_VARIANTS = ((", keys per head, shared codebooks", {"key_layout": "per_head"}),
+                   (", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
 # How row labels name a layout that differs from the calibration default.
 _LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "per_head_codebooks": "per head, own codebooks",
@@ -169,7 +170,8 @@ def check_rates_offered(config, rates, layouts) -> None:
     codebook_bits, scale_bits = defaults["codebook_bits"], defaults["scale_bits"]
     for layout in layouts:
         for kind in ("key", "value"):
-            chosen = layout.get(f"{kind}_layout", defaults[f"{kind}_layout"])
+            chosen = layout.get(f"{kind}_layout") or defaults[f"{kind}_layout"] or default_key_layout(
+                layout.get("key_space", defaults["key_space"]))
             heads = heads_per_code(chosen, fingerprint["num_key_value_heads"])
             lowest = lowest_bit_rate(fingerprint["head_dim"], codebook_bits, scale_bits, heads)
             too_low = [rate for rate in rates if rate < lowest - 1e-9]

@@ -14,7 +14,7 @@ from ..cache.rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
 from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
-from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, fit_joint_head_residual_vq
+from ..codecs.joint import DEFAULT_VALUE_LAYOUT, default_key_layout, fit_joint_head_residual_vq
 from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, check_bit_rate, fit_transform_residual_vq, gaussian_rate_distortion_reference,
@@ -52,7 +52,7 @@ def fit_gsrq_codebooks(
     transform: str = "pca",
     metric: str = "none",
     key_space: str = "pre_rope",
-    key_layout: str = DEFAULT_KEY_LAYOUT,
+    key_layout: str | None = None,
     value_layout: str = DEFAULT_VALUE_LAYOUT,
     group_dim: int = 8,
     codebook_bits: int = 8,
@@ -79,6 +79,7 @@ def fit_gsrq_codebooks(
                     window_tokens=window_tokens, out=out, overwrite=overwrite)
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
+    key_layout = key_layout or default_key_layout(key_space)
     for kind, layout in (("keys", key_layout), ("values", value_layout)):
         if layout not in LAYOUTS[kind]:
             raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {layout!r}.")
@@ -116,11 +117,10 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT,
-                                  GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
+    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
-                         "key_layout='per_head', value_layout='per_head' (CLI: --key-layout per_head --value-layout "
-                         "per_head).")
+                         "value_layout='per_head' and a per-head key layout, per_head_codebooks (the default) or "
+                         "per_head (CLI: --value-layout per_head).")
     samples = collect_kv_samples(
         model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
         sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows, rope=rope, seed=seed,

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
+from ..codecs.joint import default_key_layout
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
@@ -35,6 +36,7 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
                 "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION,
                 **calibration_defaults(), **settings}
+    identity["key_layout"] = identity["key_layout"] or default_key_layout(identity["key_space"])  # None: the default
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"

@@ -257,21 +257,22 @@ class ConditionalHeadResidualVQ:
                                  mean.reshape(self.num_heads, -1).contiguous())
         return source._key_table
 
-    def folded_table(self, dtype: torch.dtype = torch.float32):
-        """Heads coded independently only: ``[H, S'*K, D]``, each head's own codebooks times its synthesis matrix, as
-        the compiled CPU loop reads per-head keys (the same form as ``TransformResidualVQ.folded_table``, whose heads
-        share one set of codebooks); ``S'`` is the full-rate codec's stages (lower rates read a prefix)."""
+    def folded_table(self, dtype: torch.dtype = torch.float32) -> tuple:
+        """Heads coded independently only: (``[H, S'*K, D]`` table, mean ``[H, D]``), each head's own codebooks times
+        its synthesis matrix, as the compiled CPU loop reads per-head keys (the same form as
+        ``TransformResidualVQ.folded_table``, whose heads share one set of codebooks); ``S'`` is the full-rate codec's
+        stages (lower rates read a prefix). Built once per dtype asked last and kept by the full-rate codec."""
         if self.predicts_across_heads:
             raise ValueError("Keys predicted across heads are read from conditional_key_table(), not a per-head table.")
         source = self._table_source or self
         folded = source._folded
-        if folded is None or folded.device != self.predictors.device or folded.dtype != dtype:
+        if folded is None or folded[0].device != self.predictors.device or folded[0].dtype != dtype:
             from ..kernels.cpu import FixedPointKeyTable, folded_key_table
 
             table = torch.cat([folded_key_table(codec.attention_operands()[1], codec.codebooks, codec.stage_groups)
                                for codec in source.head_codecs])
-            folded = FixedPointKeyTable(table, self.codebook_size) if dtype == torch.int16 else table.to(dtype)
-            source._folded = folded
+            table = FixedPointKeyTable(table, self.codebook_size) if dtype == torch.int16 else table.to(dtype)
+            folded = source._folded = (table, source.mean.contiguous())
         return folded
 
     # ---- serialization --------------------------------------------------------------------------------------
@@ -306,12 +307,12 @@ def fit_conditional_head_residual_vq(
     """Fit a conditional-head codec on calibration keys ``samples`` (``[H, N, D]``): head after head, the predictor of
     head ``h`` by least squares from the heads before it *as decoded* (at ``max_stages``), then a single-head
     :func:`fit_transform_residual_vq` on what it leaves. ``predict=False``: no predictors, each head's codec fitted
-    on its own keys (the ``per_head_codebooks`` layout)."""
+    on its own keys (the ``per_head_codebooks`` layout), with its slice of ``metric`` (``[H, D, D]``) if given."""
     if samples.ndim != 3:
         raise ValueError(f"samples must be [heads, tokens, head_dim], got {tuple(samples.shape)}.")
-    if metric is not None:
+    if metric is not None and predict:
         raise ValueError("The conditional-head codec has no error metric option (metric='attention'); use the "
-                         "per-head layout.")
+                         "per_head or per_head_codebooks layout.")
     x = samples.float()
     heads, _, dim = x.shape
     predictors = torch.zeros(heads * dim, heads * dim)
@@ -324,7 +325,7 @@ def fit_conditional_head_residual_vq(
             predictors[: head * dim, head * dim : (head + 1) * dim] = solution
             target = target - sources @ solution
         codec = fit_transform_residual_vq(target[None], max_stages=max_stages, seed=seed + HEAD_SEED_STRIDE * head,
-                                          **fit_settings)
+                                          metric=None if metric is None else metric[head : head + 1], **fit_settings)
         head_codecs.append(codec)
         if predict and head < heads - 1:  # what the next heads are predicted from
             decoded.append(x[head] - target + codec.reconstruct(target[None])[0])

@@ -41,9 +41,18 @@ CODEC_LAYOUTS = ("per_head", "joint_heads")
 # evaluation windows): both per head 0.045 / 0.33, values joint 0.030 / 0.23, keys joint 0.034 / 0.24, both joint
 # 0.022 / 0.14. Joint values cost one pass over the shared codes in the decode-time value histogram; joint keys make
 # every key rebuilt for attention sum H times as many rows (decode 1.4-1.8x slower on CPU at 4K-8K context), so they
-# are opt-in. `hf-kvcodecs bench decode` measures all three.
-DEFAULT_KEY_LAYOUT = "per_head"
+# are opt-in. `hf-kvcodecs bench decode` measures all three. Since 2026-12-03 keys per head have each head's own
+# codebooks ("per_head_codebooks", see codecs/conditional.py): teacher-forced KL about a third lower than codebooks
+# shared by the heads, read by the same compiled CPU loop at the same cost; it needs keys coded before RoPE (the default
+# key space), and keys coded after RoPE keep the shared codebooks.
+DEFAULT_KEY_LAYOUT = "per_head_codebooks"
+POST_ROPE_KEY_LAYOUT = "per_head"
 DEFAULT_VALUE_LAYOUT = "joint_heads"
+
+
+def default_key_layout(key_space: str = "pre_rope") -> str:
+    """The key layout a calibration uses when none is given, for keys coded in ``key_space``."""
+    return DEFAULT_KEY_LAYOUT if key_space == "pre_rope" else POST_ROPE_KEY_LAYOUT
 
 
 @dataclass
