@@ -67,13 +67,13 @@ def test_own_codebooks_beat_shared_ones_at_the_same_rate(fitted):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int16])
-def test_folded_table_rebuilds_the_decoded_keys(fitted, dtype):
+def test_per_head_key_table_rebuilds_the_decoded_keys(fitted, dtype):
     """The per-head table the compiled loop reads (each head's codebooks times its synthesis) rebuilds the codec's
     decoded keys, at the full rate and at a lower one (a prefix of every head's rows)."""
     own, _, test = fitted
     for codec in (own, own.truncated(4)):
         codes, scales = codec.encode(test[:, :50])
-        table, mean = codec.folded_table(dtype)
+        table, mean = codec.per_head_key_table(dtype)
         torch.testing.assert_close(mean, codec.mean)
         assert table.shape == (HEADS, own.num_stages * own.codebook_size, DIM)
         rows = table.float() if isinstance(table, FixedPointKeyTable) else table
@@ -88,7 +88,7 @@ def test_predicted_keys_have_no_per_head_table(fitted):
     predicted = fit_conditional_head_residual_vq(_unlike_heads(800, seed=1), **SETTINGS)
     assert predicted.predicts_across_heads
     with pytest.raises(ValueError, match="conditional_key_table"):
-        predicted.folded_table()
+        predicted.per_head_key_table()
 
 
 @pytest.fixture(scope="module")

@@ -166,7 +166,7 @@ def _cpu_key_table(key_codec, dtype: torch.dtype, per_head: bool = False):
     ``coded_attention`` op takes their operands (pairs of heads, the off-diagonal ones zero)."""
     if isinstance(key_codec, ConditionalHeadResidualVQ):
         if per_head:
-            return key_codec.folded_table(dtype)
+            return key_codec.per_head_key_table(dtype)
         return key_codec.conditional_key_table(dtype)
     return key_codec.folded_table(dtype), key_codec.attention_operands()[0]
 

@@ -73,7 +73,8 @@ def fit_gsrq_codebooks(
 
     Held-out windows (after the calibration windows) measure the relative MSE per layer next to the Gaussian
     rate-distortion reference. ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` choose the
-    codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are).
+    codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are); ``key_layout`` None
+    is ``per_head_codebooks`` for keys coded before RoPE and ``per_head`` after (``codecs.joint.default_key_layout``).
     """
     _check_settings(bits=bits, group_dim=group_dim, num_windows=num_windows, holdout_windows=holdout_windows,
                     window_tokens=window_tokens, out=out, overwrite=overwrite)

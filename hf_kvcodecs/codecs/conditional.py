@@ -20,6 +20,11 @@ Measured at 2 bits per element on the default model against the per-head codec w
 (``benchmarks/explore_key_codebooks.py``, two calibration seeds): teacher-forced KL -48 / -44 %, as low as the
 joint-head keys.
 
+With the predictors left out (``fit_conditional_head_residual_vq(..., predict=False)``) the same codec codes every
+head independently with its own PCA, codebooks and scale: the ``per_head_codebooks`` key layout, the default since
+2026-12-03, which the compiled CPU loop reads from per-head tables (:meth:`ConditionalHeadResidualVQ.per_head_key_table`)
+at the cost of keys whose heads share codebooks.
+
 The predictor does not commute with RoPE (a RoPE-commuting one, a complex gain per frequency, explained only 17-79 %
 of the energy), so it only applies to keys coded before RoPE.
 """
@@ -257,7 +262,7 @@ class ConditionalHeadResidualVQ:
                                  mean.reshape(self.num_heads, -1).contiguous())
         return source._key_table
 
-    def folded_table(self, dtype: torch.dtype = torch.float32) -> tuple:
+    def per_head_key_table(self, dtype: torch.dtype = torch.float32) -> tuple:
         """Heads coded independently only: (``[H, S'*K, D]`` table, mean ``[H, D]``), each head's own codebooks times
         its synthesis matrix, as the compiled CPU loop reads per-head keys (the same form as
         ``TransformResidualVQ.folded_table``, whose heads share one set of codebooks); ``S'`` is the full-rate codec's
