@@ -143,12 +143,14 @@ _CROSS_HEAD_BLOCKS = WeakTensorKeyDictionary()
 
 def has_cross_head_blocks(key_synthesis: torch.Tensor) -> bool:
     """Whether conditional key operands (synthesis ``[Hkv, Hkv, D, D]``) rebuild a head from other heads' codes."""
+    # operands built under torch.inference_mode() have no version counter (nor can they change outside it)
+    version = None if key_synthesis.is_inference() else key_synthesis._version
     cached = _CROSS_HEAD_BLOCKS.get(key_synthesis)
-    if cached is None or cached[0] != key_synthesis._version:
+    if cached is None or cached[0] != version:
         heads = key_synthesis.shape[0]
         later = torch.arange(heads, device=key_synthesis.device)
         cross = (later[:, None] < later[None, :])[..., None, None]  # [j, h] with j < h
-        cached = (key_synthesis._version, bool((key_synthesis * cross).any()))
+        cached = (version, bool((key_synthesis * cross).any()))
         _CROSS_HEAD_BLOCKS[key_synthesis] = cached
     return cached[1]
 

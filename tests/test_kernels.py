@@ -310,6 +310,14 @@ def test_keys_with_each_heads_own_codebooks_match_float64_within_pytorch_error(s
     assert_within_pytorch_error(problem, dtype)
 
 
+def test_cross_head_check_takes_operands_built_in_inference_mode():
+    with torch.inference_mode():  # as the cache builds its codecs' operands during generate()
+        own = make_problem(conditional="own_codebooks", rope=True, **CONDITIONAL_SHAPES[2])["key_codec"][1].clone()
+        predicted = make_problem(conditional=True, rope=True, **CONDITIONAL_SHAPES[2])["key_codec"][1].clone()
+    assert own.is_inference() and not reference.has_cross_head_blocks(own)
+    assert reference.has_cross_head_blocks(predicted)
+
+
 def test_cross_head_check_follows_in_place_changes():
     synthesis = make_problem(conditional="own_codebooks", rope=True, **CONDITIONAL_SHAPES[0])["key_codec"][1]
     assert not reference.has_cross_head_blocks(synthesis)
