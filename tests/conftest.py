@@ -131,3 +131,32 @@ def fake_hub(monkeypatch):
     monkeypatch.setattr(transformers_hub, "create_and_tag_model_card",
                         lambda repo_id, tags=None, token=None: huggingface_hub.ModelCard("---\nlibrary_name: transformers\n---\n"))
     return calls
+
+
+# Generation through a GSRQ cache with a small exact window (so that a 50-token prompt has coded history), shared by
+# the layout tests that compare the code-reading path with the dequantize path.
+SMALL_WINDOW = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
+
+
+def generate_gsrq(model, ids, codebooks, attention, **kwargs):
+    """(sequences, cache) of 12 greedy tokens through ``cache_implementation="gsrq"`` with :data:`SMALL_WINDOW`."""
+    out = model.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True, max_new_tokens=12,
+                         do_sample=False, eos_token_id=None, pad_token_id=0,
+                         cache_config={"codebooks": str(codebooks), "attention": attention, **SMALL_WINDOW}, **kwargs)
+    return out.sequences, out.past_key_values
+
+
+def layout_prompt(batch=2, length=50):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def generation_mode(mode: str):
+    """(prompt ids, generate kwargs) for "greedy", "beam" (3 beams) or "padded_batch" (row 1 left-padded by 9)."""
+    ids, kwargs = layout_prompt(), {}
+    if mode == "beam":
+        kwargs = dict(num_beams=3)
+    elif mode == "padded_batch":
+        ids[1, :9] = 0
+        kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].repeat(2, 1))
+        kwargs["attention_mask"][0] = 1
+    return ids, kwargs

@@ -17,10 +17,10 @@ from hf_kvcodecs.kernels import reference
 from hf_kvcodecs.kernels.cpu import prerope_decode_attention
 from hf_kvcodecs.kernels.cpu_native import native_ops
 
-from .conftest import _tiny_codebooks, resave_codebook_tensors, tiny_llama_config
+from .conftest import (SMALL_WINDOW, _tiny_codebooks, generate_gsrq, generation_mode, layout_prompt,
+                       resave_codebook_tensors, tiny_llama_config)
 
 HEADS, DIM = 3, 64
-CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
 
 
 def _correlated_heads(n=3000, seed=0):
@@ -142,29 +142,12 @@ def conditional_dir(model64, tiny_token_stream, tmp_path_factory):
     return directory
 
 
-def _generate(model, ids, codebooks, attention, **kwargs):
-    out = model.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True, max_new_tokens=12,
-                         do_sample=False, eos_token_id=None, pad_token_id=0,
-                         cache_config={"codebooks": str(codebooks), "attention": attention, **CODED}, **kwargs)
-    return out.sequences, out.past_key_values
-
-
-def _prompt(batch=2, length=50):
-    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.mark.skipif(native_ops() is None, reason="needs the compiled CPU loops (a C++ compiler)")
 @pytest.mark.parametrize("mode", ["greedy", "beam", "padded_batch"])
 def test_code_reading_generation_equals_dequantize_path(model64, conditional_dir, mode):
-    ids, kwargs = _prompt(), {}
-    if mode == "beam":
-        kwargs = dict(num_beams=3)
-    elif mode == "padded_batch":
-        ids[1, :9] = 0
-        kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].repeat(2, 1))
-        kwargs["attention_mask"][0] = 1
-    expected, _ = _generate(model64, ids, conditional_dir, "dequantize", **kwargs)
-    got, cache = _generate(model64, ids, conditional_dir, "auto", **kwargs)
+    ids, kwargs = generation_mode(mode)
+    expected, _ = generate_gsrq(model64, ids, conditional_dir, "dequantize", **kwargs)
+    got, cache = generate_gsrq(model64, ids, conditional_dir, "auto", **kwargs)
     assert cache.attention_path == "codes" and cache.layers[0].last_attention == "codes"
     assert isinstance(cache.layers[0].key_codec, ConditionalHeadResidualVQ)
     assert cache.layers[0].region_lengths()["codes"] > 0
@@ -175,11 +158,11 @@ def test_code_reading_generation_equals_dequantize_path(model64, conditional_dir
 def test_without_the_compiled_loop_conditional_keys_are_still_read_from_codes(model64, conditional_dir, monkeypatch,
                                                                               kernels):
     """As on a machine without a C++ compiler: the op's PyTorch reference rebuilds the keys chunk by chunk."""
-    ids = _prompt(batch=1)
-    expected, _ = _generate(model64, ids, conditional_dir, "dequantize")
+    ids = layout_prompt(batch=1)
+    expected, _ = generate_gsrq(model64, ids, conditional_dir, "dequantize")
     monkeypatch.setenv("HF_KVCODECS_KERNELS", kernels)
     assert native_ops() is None
-    got, cache = _generate(model64, ids, conditional_dir, "auto")
+    got, cache = generate_gsrq(model64, ids, conditional_dir, "auto")
     assert cache.attention_path == "codes" and cache.layers[0].last_attention == "codes"
     assert torch.equal(got, expected)
 
@@ -187,9 +170,9 @@ def test_without_the_compiled_loop_conditional_keys_are_still_read_from_codes(mo
 def test_head_sizes_the_compiled_loop_is_not_built_for_read_codes_through_the_reference(tiny_model, tiny_token_stream,
                                                                                         tmp_path):
     directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path, key_layout="conditional_heads")  # head_dim 16
-    ids = _prompt(batch=2, length=40)
-    expected, _ = _generate(tiny_model, ids, directory, "dequantize")
-    got, cache = _generate(tiny_model, ids, directory, "auto")
+    ids = layout_prompt(batch=2, length=40)
+    expected, _ = generate_gsrq(tiny_model, ids, directory, "dequantize")
+    got, cache = generate_gsrq(tiny_model, ids, directory, "auto")
     assert isinstance(cache.layers[0].key_codec, ConditionalHeadResidualVQ) and cache.layers[0].key_codec.head_dim == 16
     assert cache.layers[0].last_attention == "codes"
     assert torch.equal(got, expected)
@@ -246,8 +229,8 @@ def test_calibration_rejects_conditional_keys_after_rope_and_for_values(model64,
 
 
 def test_cache_holds_one_code_row_per_head(model64, conditional_dir):
-    cache = GSRQCache(model64.config, codebooks=conditional_dir, attention="dequantize", **CODED)
-    model64(_prompt(batch=1, length=30), cache=cache)
+    cache = GSRQCache(model64.config, codebooks=conditional_dir, attention="dequantize", **SMALL_WINDOW)
+    model64(layout_prompt(batch=1, length=30), cache=cache)
     layer = cache.layers[0]
     assert layer.key_codes.shape == (1, 2, layer.region_lengths()["codes"], 15)
     assert layer.key_scales.dtype == torch.uint8

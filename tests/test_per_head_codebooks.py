@@ -18,10 +18,10 @@ from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.kernels.cpu import FixedPointKeyTable
 from hf_kvcodecs.kernels.cpu_native import native_ops
 
-from .conftest import _tiny_codebooks, resave_codebook_tensors, tiny_llama_config
+from .conftest import (SMALL_WINDOW, _tiny_codebooks, generate_gsrq, generation_mode, layout_prompt,
+                       resave_codebook_tensors, tiny_llama_config)
 
 HEADS, DIM = 3, 32
-CODED = {"window_length": 4, "flush_interval": 4, "num_sink_tokens": 2}
 SETTINGS = dict(max_stages=6, n_iter=4, fit_rows=2000)
 
 
@@ -109,29 +109,12 @@ def own_dir(request, model64, tiny_token_stream, tmp_path_factory):
     return directory
 
 
-def _generate(model, ids, codebooks, attention, **kwargs):
-    out = model.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True, max_new_tokens=12,
-                         do_sample=False, eos_token_id=None, pad_token_id=0,
-                         cache_config={"codebooks": str(codebooks), "attention": attention, **CODED}, **kwargs)
-    return out.sequences, out.past_key_values
-
-
-def _prompt(batch=2, length=50):
-    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(1))
-
-
 @pytest.mark.skipif(native_ops() is None, reason="needs the compiled CPU loops (a C++ compiler)")
 @pytest.mark.parametrize("mode", ["greedy", "beam", "padded_batch"])
 def test_compiled_loop_reads_them_as_per_head_keys_and_equals_the_dequantize_path(model64, own_dir, mode):
-    ids, kwargs = _prompt(), {}
-    if mode == "beam":
-        kwargs = dict(num_beams=3)
-    elif mode == "padded_batch":
-        ids[1, :9] = 0
-        kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].repeat(2, 1))
-        kwargs["attention_mask"][0] = 1
-    expected, _ = _generate(model64, ids, own_dir, "dequantize", **kwargs)
-    got, cache = _generate(model64, ids, own_dir, "auto", **kwargs)
+    ids, kwargs = generation_mode(mode)
+    expected, _ = generate_gsrq(model64, ids, own_dir, "dequantize", **kwargs)
+    got, cache = generate_gsrq(model64, ids, own_dir, "auto", **kwargs)
     layer = cache.layers[0]
     assert cache.attention_path == "codes" and layer.last_attention == "codes"
     assert isinstance(layer.key_codec, ConditionalHeadResidualVQ) and not layer.key_codec.predicts_across_heads
@@ -144,20 +127,20 @@ def test_compiled_loop_reads_them_as_per_head_keys_and_equals_the_dequantize_pat
 
 @pytest.mark.parametrize("kernels", ["reference", "pytorch"])
 def test_without_the_compiled_loop_they_are_still_read_from_codes(model64, own_dir, monkeypatch, kernels):
-    ids = _prompt(batch=1)
-    expected, _ = _generate(model64, ids, own_dir, "dequantize")
+    ids = layout_prompt(batch=1)
+    expected, _ = generate_gsrq(model64, ids, own_dir, "dequantize")
     monkeypatch.setenv("HF_KVCODECS_KERNELS", kernels)
     assert native_ops() is None
-    got, cache = _generate(model64, ids, own_dir, "auto")
+    got, cache = generate_gsrq(model64, ids, own_dir, "auto")
     assert cache.attention_path == "codes" and cache.layers[0].last_attention == "codes"
     assert torch.equal(got, expected)
 
 
 def test_head_sizes_without_a_conditional_loop_use_the_per_head_loop(tiny_model, tiny_token_stream, tmp_path):
     directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path, key_layout=PER_HEAD_CODEBOOKS_LAYOUT)
-    ids = _prompt(batch=2, length=40)
-    expected, _ = _generate(tiny_model, ids, directory, "dequantize")
-    got, cache = _generate(tiny_model, ids, directory, "auto")
+    ids = layout_prompt(batch=2, length=40)
+    expected, _ = generate_gsrq(tiny_model, ids, directory, "dequantize")
+    got, cache = generate_gsrq(tiny_model, ids, directory, "auto")
     assert cache.layers[0].key_codec.head_dim == 16 and cache.layers[0].last_attention == "codes"
     if native_ops() is not None:  # head_dim 16: no loop for keys predicted across heads, the per-head one reads them
         assert not cache_attention._DECODE_CONSTANTS[cache.layers[0]][1].conditional_keys
@@ -196,8 +179,8 @@ def test_files_round_trip_without_predictors_and_are_checked(model64, own_dir, t
 
 
 def test_cache_holds_one_code_row_per_head(model64, own_dir):
-    cache = GSRQCache(model64.config, codebooks=own_dir, attention="dequantize", **CODED)
-    model64(_prompt(batch=1, length=30), cache=cache)
+    cache = GSRQCache(model64.config, codebooks=own_dir, attention="dequantize", **SMALL_WINDOW)
+    model64(layout_prompt(batch=1, length=30), cache=cache)
     layer = cache.layers[0]
     assert layer.key_codes.shape[1] == 2 and layer.key_codes.shape[-1] == 15
 
