@@ -14,7 +14,7 @@ from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .bench.harness import BASELINE_IDS
 from .bench.kv import GSRQ_LEARNERS, GSRQ_RATES
 from .codecs.gsrq_codebooks import LAYOUTS
-from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, POST_ROPE_KEY_LAYOUT
+from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, POST_ROPE_KEY_LAYOUT, POST_ROPE_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
 
@@ -342,11 +342,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 "KV heads (lower error; on CPU each decoding step rebuilds keys from H times the rows); "
                                 "'conditional_heads': one code per head vector, each head predicted from the heads "
                                 "decoded before it (about the joint error at the per-head rate)")
-    calibrate.add_argument("--value-layout", default=DEFAULT_VALUE_LAYOUT, choices=list(LAYOUTS["values"]),
-                           help="'per_head' / 'joint_heads' as for keys (default joint_heads: lower error at about "
-                                "the same decode speed); 'given_keys': one code per token for all heads of what a "
-                                "prediction from the token's decoded keys leaves (lower error still; on CPU each "
-                                "decoding step also sums the attention weights per key codeword for the prediction)")
+    calibrate.add_argument("--value-layout", default=None, choices=list(LAYOUTS["values"]),
+                           help=f"'{DEFAULT_VALUE_LAYOUT}' (default; {POST_ROPE_VALUE_LAYOUT} with --key-space "
+                                "post_rope): one code per token for all heads of what a prediction from the token's "
+                                "decoded keys leaves (on CPU each decoding step also sums the attention weights per "
+                                "key codeword for the prediction); 'joint_heads': one code per token for all heads "
+                                "(higher error, a little faster); 'per_head': one code per head vector")
     calibrate.add_argument("--group-dim", type=int, default=8)
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
                            help="per-vector scale: 8-bit log-uniform levels (default) or fp16")

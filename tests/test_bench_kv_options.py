@@ -25,7 +25,8 @@ def test_baselines_can_be_chosen_and_the_reference_always_runs(tiny_model):
 
 def test_codec_layout_names_only_what_differs_from_the_default():
     assert kv.codec_layout() == ("", {})
-    assert kv.codec_layout("per_head_codebooks", "joint_heads") == ("", {})  # the defaults, spelled out
+    assert kv.codec_layout("per_head_codebooks", "given_keys") == ("", {})  # the defaults, spelled out
+    assert kv.codec_layout(value_layout="joint_heads") == (", values joint over heads", {"value_layout": "joint_heads"})
     assert kv.codec_layout("per_head") == (", keys per head", {"key_layout": "per_head"})  # shared codebooks
     assert kv.codec_layout("conditional_heads") == (", keys conditional on earlier heads",
                                                     {"key_layout": "conditional_heads"})

@@ -105,6 +105,9 @@ def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_d
         model(ids[:, 31:32], cache=cache)
         assert _DECODE_CONSTANTS[layer][1] is first
         held_by_codecs = set(tensor_storages(layer.key_codec)) | set(tensor_storages(layer.value_codec))
+        # values coded given the keys (the default): the prediction folded into the key codes' terms, built once per
+        # codec pair and shared by every cache of the codebooks
+        held_by_codecs |= set(tensor_storages(list(layer.value_codec.attention_prediction(layer.key_codec))))
         assert tensor_storages(list(first)) and set(tensor_storages(list(first))) <= held_by_codecs
         assert first.key_table.dtype == torch.int16 and first.key_table_step is not None
         monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "float32")

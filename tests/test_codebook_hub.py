@@ -77,7 +77,7 @@ def test_codebooks_load_by_repo_id_and_generate_as_from_the_directory(tiny_model
 def test_revision_and_subfolder_select_what_is_read(tiny_codebooks_dir, tiny_per_head_codebooks_dir, offline_hub):
     first = offline_hub("someone/cb", _files(tiny_per_head_codebooks_dir))
     offline_hub("someone/cb", _files(tiny_codebooks_dir))  # main moves on to the default layout
-    assert GSRQCodebooks.from_pretrained("someone/cb").layout("values") == "joint_heads"
+    assert GSRQCodebooks.from_pretrained("someone/cb").layout("values") == "given_keys"
     pinned = GSRQCodebooks.from_pretrained("someone/cb", revision=first)
     assert pinned.layout("values") == "per_head"
     assert _same_codebooks(pinned, GSRQCodebooks.load(tiny_per_head_codebooks_dir))

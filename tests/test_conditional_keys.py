@@ -136,8 +136,9 @@ def conditional_dir(model64, tiny_token_stream, tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny_conditional_codebooks")
     fit_gsrq_codebooks(
         model64, tiny_token_stream, text_info={"description": "random token ids (unit test, not an evaluation)"},
-        bits=2.0, key_layout="conditional_heads", window_tokens=128, sampled_tokens_per_window=64, num_windows=8,
-        holdout_windows=1, n_iter=3, fit_rows=512, out=directory, progress=False,
+        bits=2.0, key_layout="conditional_heads", value_layout="joint_heads", window_tokens=128,
+        sampled_tokens_per_window=64, num_windows=8, holdout_windows=1, n_iter=3, fit_rows=512, out=directory,
+        progress=False,
     )
     return directory
 

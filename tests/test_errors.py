@@ -137,11 +137,11 @@ def test_inconsistent_tensors(tiny_codebooks_dir, tmp_path):
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     tensors = load_file(str(target / TENSORS_FILE))
-    tensors["layers.1.values.shape.codebooks"] = tensors["layers.1.values.shape.codebooks"][:, :100].contiguous()
+    tensors["layers.1.values.residual.shape.codebooks"] = tensors["layers.1.values.residual.shape.codebooks"][:, :100].contiguous()
     resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="inconsistent codebooks"):
         GSRQCodebooks.load(target)
-    del tensors["layers.1.values.shape.codebooks"]
+    del tensors["layers.1.values.residual.shape.codebooks"]
     resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match="lacks tensor"):
         GSRQCodebooks.load(target)
@@ -426,7 +426,7 @@ def test_saved_files_reach_the_disk_before_they_are_moved_into_place(tiny_codebo
 @pytest.mark.parametrize("name, dtype", [("layers.0.keys.head.0.stage_groups", torch.float32),
                                          ("layers.0.keys.head.1.codebooks", torch.int32),
                                          ("layers.0.keys.head.0.mean", torch.bool),
-                                         ("layers.1.values.shape.codebooks", torch.int64)])
+                                         ("layers.1.values.residual.shape.codebooks", torch.int64)])
 def test_tensors_of_the_wrong_dtype_are_refused(tiny_codebooks_dir, tmp_path, name, dtype):
     from safetensors.torch import load_file
 

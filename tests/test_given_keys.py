@@ -24,9 +24,10 @@ def _prompt(batch=2, length=60, seed=11):
 
 @pytest.fixture(scope="module")
 def shared_keys_dir(tiny_model, tiny_token_stream, tmp_path_factory):
-    """The default value layout (joint) with the keys of tiny_given_keys_codebooks_dir (per head, shared codebooks)."""
+    """Values coded jointly, without the prediction, with the keys of tiny_given_keys_codebooks_dir (per head, shared
+    codebooks)."""
     return _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path_factory.mktemp("tiny_shared_keys_codebooks"),
-                           key_layout="per_head")
+                           key_layout="per_head", value_layout="joint_heads")
 
 
 def test_calibration_fits_a_prediction_from_the_keys_that_lowers_the_value_error(tiny_given_keys_codebooks_dir,

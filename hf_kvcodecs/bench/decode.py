@@ -47,12 +47,16 @@ DECODE_CONTEXTS = (1024, 4096, 8192)
 # Throughput window: four whole flush cycles of the GSRQ cache (its window of 32 exact tokens is encoded down to 32
 # once it exceeds 32 + 32, i.e. 33 tokens every 33 steps) and about one of quanto (re-quantizes every 128 tokens).
 DECODE_STEPS = 132
-# Codec layouts measured next to the default (keys per head with each head's own codebooks, values joint): the two
-# previous defaults, both joint, and keys coded conditionally on the heads before them.
-LAYOUT_VARIANTS = ((", keys per head, shared codebooks", {"key_layout": "per_head"}),
+# Codec layouts measured next to the default (keys per head with each head's own codebooks, values given the keys): the
+# previous defaults (values joint over the heads, first with own then with shared key codebooks), both per head, both
+# joint, and keys coded conditionally on the heads before them (the best-quality layout, with values given the keys).
+LAYOUT_VARIANTS = ((", values joint over heads", {"value_layout": "joint_heads"}),
+                   (", keys per head, shared codebooks, values joint over heads",
+                    {"key_layout": "per_head", "value_layout": "joint_heads"}),
                    (", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys and values joint", {"key_layout": "joint_heads", "value_layout": "joint_heads"}),
-                   (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}),
+                   (", keys conditional on earlier heads, values joint over heads",
+                    {"key_layout": "conditional_heads", "value_layout": "joint_heads"}),
                    (", keys conditional on earlier heads, values given the keys",
                     {"key_layout": "conditional_heads", "value_layout": "given_keys"}))
 GSRQ_BITS = 2.0

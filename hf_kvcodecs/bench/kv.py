@@ -11,7 +11,7 @@ import torch
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS, heads_per_code
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
-from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, default_key_layout
+from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, default_key_layout, default_value_layout
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
@@ -87,9 +87,12 @@ def layout_family(layout: dict) -> str:
     return "(" + ", ".join(f"{name.split('_')[0]}s {value.replace('_', '-')}" for name, value in sorted(layout.items())) + ")"
 
 
-# The two previous defaults (keys per head with codebooks shared by the heads; keys and values coded per head vector)
-# and keys coded conditionally on the heads before them next to the default, on the same seed.
-LAYOUT_VARIANTS = ((", keys per head, shared codebooks", {"key_layout": "per_head"}),
+# The previous defaults (values coded jointly over the heads without the keys' prediction; keys per head with codebooks
+# shared by the heads; keys and values coded per head vector) and the best-quality layout (keys coded conditionally
+# on the heads before them) next to the default, on the same seed.
+LAYOUT_VARIANTS = ((", values joint over heads", {"value_layout": "joint_heads"}),
+                   (", keys per head, shared codebooks, values joint over heads",
+                    {"key_layout": "per_head", "value_layout": "joint_heads"}),
                    (", keys and values per head", {"key_layout": "per_head", "value_layout": "per_head"}),
                    (", keys conditional on earlier heads", {"key_layout": "conditional_heads"}))
 # How row labels name a layout that differs from the calibration default.
@@ -170,7 +173,8 @@ def check_rates_offered(config, rates, layouts) -> None:
     codebook_bits, scale_bits = defaults["codebook_bits"], defaults["scale_bits"]
     for layout in layouts:
         for kind in ("key", "value"):
-            chosen = layout.get(f"{kind}_layout") or defaults[f"{kind}_layout"] or default_key_layout(
+            default_layout = default_key_layout if kind == "key" else default_value_layout
+            chosen = layout.get(f"{kind}_layout") or defaults[f"{kind}_layout"] or default_layout(
                 layout.get("key_space", defaults["key_space"]))
             heads = heads_per_code(chosen, fingerprint["num_key_value_heads"])
             lowest = lowest_bit_rate(fingerprint["head_dim"], codebook_bits, scale_bits, heads)
