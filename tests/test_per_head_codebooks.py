@@ -192,7 +192,8 @@ def test_calibration_refuses_them_after_rope(model64, tiny_token_stream):
         fit_gsrq_codebooks(model64, tiny_token_stream, key_space="post_rope", key_layout=PER_HEAD_CODEBOOKS_LAYOUT,
                            **settings)
     post_rope = fit_gsrq_codebooks(model64, tiny_token_stream, key_space="post_rope", n_iter=2, fit_rows=256, **settings)
-    assert post_rope.layout("keys") == "per_head"  # the default key layout for keys coded after RoPE
+    # the default layouts for keys coded after RoPE: shared key codebooks, values coded without the keys' prediction
+    assert post_rope.layout("keys") == "per_head" and post_rope.layout("values") == "joint_heads"
 
 
 def test_attention_metric_weights_each_heads_own_fit(tiny_model, tiny_token_stream):
