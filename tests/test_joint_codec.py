@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_kvcodecs.codecs.joint import JointHeadResidualVQ, fit_joint_head_residual_vq
+from hf_kvcodecs.codecs.joint import JointHeadResidualVQ, fit_joint_head_residual_vq, resolve_layouts
 from hf_kvcodecs.codecs.residual import (
     FP16_SCALE_BITS, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
     joint_rate_distortion_reference, relative_mse,
@@ -97,3 +97,11 @@ def test_joint_fit_rejects_a_metric_and_bad_samples():
         fit_joint_head_residual_vq(samples, max_stages=2, scale_bits=4)
     codec = fit_joint_head_residual_vq(samples, max_stages=2, group_dim=8, codebook_bits=4, n_iter=2)
     assert codec.scale_bits == LOG_SCALE_BITS and codec.code_heads == 1
+
+
+def test_layouts_left_out_resolve_to_the_default_for_the_key_space_and_given_ones_pass_through():
+    assert resolve_layouts() == ("per_head_codebooks", "given_keys")
+    # values given the keys need the keys before RoPE, so keys coded after RoPE default to joint values
+    assert resolve_layouts("post_rope") == ("per_head", "joint_heads")
+    assert resolve_layouts("post_rope", None, "per_head") == ("per_head", "per_head")
+    assert resolve_layouts("pre_rope", "conditional_heads", None) == ("conditional_heads", "given_keys")

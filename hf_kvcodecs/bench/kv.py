@@ -11,7 +11,7 @@ import torch
 from ..cache import GSRQCache
 from ..codecs.gsrq_codebooks import LAYOUTS, heads_per_code
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
-from ..codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, default_key_layout, default_value_layout
+from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
@@ -103,8 +103,8 @@ _LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "per
 
 def codec_layout(key_layout: str | None = None, value_layout: str | None = None) -> tuple[str, dict]:
     """``(label suffix, calibration settings)`` for rows calibrated with these layouts (``None``: the default)."""
-    defaults = {"keys": DEFAULT_KEY_LAYOUT, "values": DEFAULT_VALUE_LAYOUT}
-    chosen = {"keys": key_layout or defaults["keys"], "values": value_layout or defaults["values"]}
+    defaults = dict(zip(("keys", "values"), resolve_layouts()))  # this benchmark codes keys before RoPE
+    chosen = dict(zip(("keys", "values"), resolve_layouts("pre_rope", key_layout, value_layout)))
     for kind, value in chosen.items():
         if value not in LAYOUTS[kind]:
             raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {value!r}.")
@@ -172,10 +172,10 @@ def check_rates_offered(config, rates, layouts) -> None:
     defaults, fingerprint = calibration_defaults(), model_fingerprint(config)
     codebook_bits, scale_bits = defaults["codebook_bits"], defaults["scale_bits"]
     for layout in layouts:
-        for kind in ("key", "value"):
-            default_layout = default_key_layout if kind == "key" else default_value_layout
-            chosen = layout.get(f"{kind}_layout") or defaults[f"{kind}_layout"] or default_layout(
-                layout.get("key_space", defaults["key_space"]))
+        resolved = dict(zip(("key", "value"), resolve_layouts(
+            layout.get("key_space", defaults["key_space"]), layout.get("key_layout") or defaults["key_layout"],
+            layout.get("value_layout") or defaults["value_layout"])))
+        for kind, chosen in resolved.items():
             heads = heads_per_code(chosen, fingerprint["num_key_value_heads"])
             lowest = lowest_bit_rate(fingerprint["head_dim"], codebook_bits, scale_bits, heads)
             too_low = [rate for rate in rates if rate < lowest - 1e-9]

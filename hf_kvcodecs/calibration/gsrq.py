@@ -14,7 +14,7 @@ from ..cache.rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
 from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
-from ..codecs.joint import default_key_layout, default_value_layout, fit_joint_head_residual_vq
+from ..codecs.joint import fit_joint_head_residual_vq, resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, check_bit_rate, fit_transform_residual_vq, gaussian_rate_distortion_reference,
@@ -74,15 +74,14 @@ def fit_gsrq_codebooks(
     Held-out windows (after the calibration windows) measure the relative MSE per layer next to the Gaussian
     rate-distortion reference. ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` choose the
     codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are); ``key_layout`` None
-    is ``per_head_codebooks`` for keys coded before RoPE and ``per_head`` after (``codecs.joint.default_key_layout``),
-    ``value_layout`` None ``given_keys`` before RoPE and ``joint_heads`` after (``codecs.joint.default_value_layout``).
+    is ``per_head_codebooks`` for keys coded before RoPE and ``per_head`` after (``codecs.joint.resolve_layouts``),
+    ``value_layout`` None ``given_keys`` before RoPE and ``joint_heads`` after (same function).
     """
     _check_settings(bits=bits, group_dim=group_dim, num_windows=num_windows, holdout_windows=holdout_windows,
                     window_tokens=window_tokens, out=out, overwrite=overwrite)
     if key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
-    key_layout = key_layout or default_key_layout(key_space)
-    value_layout = value_layout or default_value_layout(key_space)
+    key_layout, value_layout = resolve_layouts(key_space, key_layout, value_layout)
     for kind, layout in (("keys", key_layout), ("values", value_layout)):
         if layout not in LAYOUTS[kind]:
             raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {layout!r}.")

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
-from ..codecs.joint import default_key_layout, default_value_layout
+from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
@@ -36,8 +36,8 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
     identity = {"model": loaded.name, "fingerprint": model_fingerprint(loaded.model.config), "text": text,
                 "format_version": FORMAT_VERSION, "encoder_revision": ENCODER_REVISION,
                 **calibration_defaults(), **settings}
-    identity["key_layout"] = identity["key_layout"] or default_key_layout(identity["key_space"])  # None: the default
-    identity["value_layout"] = identity["value_layout"] or default_value_layout(identity["key_space"])
+    identity["key_layout"], identity["value_layout"] = resolve_layouts(  # None: the default for the key space
+        identity["key_space"], identity["key_layout"], identity["value_layout"])
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in loaded.name)[-40:]
     directory = Path(store or default_store()) / f"{slug}-{settings.get('learner', DEFAULT_LEARNER)}-{digest}"

@@ -66,6 +66,16 @@ def default_value_layout(key_space: str = "pre_rope") -> str:
     return DEFAULT_VALUE_LAYOUT if key_space == "pre_rope" else POST_ROPE_VALUE_LAYOUT
 
 
+def resolve_layouts(key_space: str = "pre_rope", key_layout: str | None = None,
+                    value_layout: str | None = None) -> tuple[str, str]:
+    """``(key_layout, value_layout)`` with each None replaced by the default for keys coded in ``key_space``.
+
+    Every place that names codebooks by their settings (calibration, the codebook store's identity, the benchmark's
+    rate check) resolves through here, so an explicit default and a left-out setting always mean the same layout.
+    """
+    return key_layout or default_key_layout(key_space), value_layout or default_value_layout(key_space)
+
+
 @dataclass
 class JointHeadResidualVQ:
     """Per-head scales plus one :class:`TransformResidualVQ` (one "head" of ``H * D`` components, unit scale) for the
