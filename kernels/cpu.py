@@ -132,6 +132,14 @@ def conditional_native_supports(dim: int, heads: int) -> bool:
     return dim in CONDITIONAL_HEAD_DIMS and heads <= MAX_CONDITIONAL_HEADS
 
 
+def fuses_value_prediction(conditional: bool, key_code_heads: int, dim: int, heads: int) -> bool:
+    """Whether the compiled loop forms the sums that values coded given the keys need while it rebuilds the keys
+    (it then takes the predictor itself) rather than from a histogram of the key codes per key head: conditional
+    keys always; keys per head with a code per head and a head_dim the conditional loop reads (twice as fast per
+    layer at 1K-4K tokens on the default model)."""
+    return conditional or (key_code_heads == heads and conditional_native_supports(dim, heads))
+
+
 def coded_attention_cpu(
     query, key_codes, key_scales, value_codes, value_scales,
     key_mean, key_synthesis, key_codebooks, key_stage_groups,
@@ -168,8 +176,8 @@ def coded_attention_cpu(
             key_table = fold(key_synthesis, key_codebooks, key_stage_groups, native_key_table_dtype())
         if rotary_cos is None:
             rotary_cos, rotary_sin = reference.rotary_tables(positions, inv_freq, attention_scaling)
-        prediction = None
-        if value_predictor is not None and not conditional:  # conditional keys take the predictor itself
+        prediction, fused = None, fuses_value_prediction(conditional, key_codes.shape[1], dim, kv_heads)
+        if value_predictor is not None and not fused:  # the loop takes the predictor itself where it fuses it
             prediction = (key_codes.expand(-1, kv_heads, -1, -1), key_scales, key_scale_levels,
                           *reference.cached_fold_value_prediction(
                               value_predictor, (key_mean, key_synthesis, key_codebooks, key_stage_groups)))
@@ -178,7 +186,7 @@ def coded_attention_cpu(
             key_mean.reshape(kv_heads, -1) if conditional else key_mean, rotary_cos, rotary_sin, size,
             value_codes, value_scales, value_scale_levels, value_codebooks, value_stage_groups, value_mean,
             value_synthesis, mask, scaling, exact_keys, exact_values, exact_mask, conditional_keys=conditional,
-            value_prediction=prediction, value_predictor=value_predictor if conditional else None,
+            value_prediction=prediction, value_predictor=value_predictor if fused else None,
         )
     q = query.float().reshape(batch, kv_heads, rows, dim)
     if key_scale_levels is None:
@@ -264,10 +272,10 @@ def prerope_decode_attention(
     coded token gains ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h]) + bias[h]`` (see
     ``KeyPredictedValueVQ.attention_operands``).
 
-    ``value_predictor``: the same for conditional keys, given as the predictor itself (``[Hkv*D + 1, Hkv*D]``):
-    the key loop then forms the attention-weighted sums of the keys it rebuilds, tile by tile, and the prediction
-    is those sums times the predictor, with no histogram of the key codes (``ConditionalKeySums`` in
-    ``cpu_native.cpp``)."""
+    ``value_predictor``: the same given as the predictor itself (``[Hkv*D + 1, Hkv*D]``), for conditional keys and
+    keys per head where :func:`fuses_value_prediction`: the key loop then forms the attention-weighted sums of the
+    keys it rebuilds, tile by tile, and the prediction is those sums times the predictor, with no histogram of the
+    key codes (``ConditionalKeySums`` in ``cpu_native.cpp``)."""
     prediction_codes = prediction_scales = None
     if value_prediction is not None:
         prediction_codes, prediction_scales, *value_prediction = value_prediction

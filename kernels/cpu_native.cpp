@@ -11,7 +11,8 @@
 //   conditional_scores_into  the same for keys coded conditionally on the heads before them, tile by tile, one
 //                     source head's slice of the table at a time (decode_attention with conditional_keys=True); for
 //                     values coded given the keys it also forms the attention-weighted sums of the keys it rebuilds
-//                     (ConditionalKeySums), which the prediction of the values needs;
+//                     (ConditionalKeySums), which the prediction of the values needs, and it does so for keys coded
+//                     per head too (each head its own only source);
 //   value_transform_sums  probability x value scale added into one bin per (stage, codeword), per query row, then
 //                     the bins times the codebooks: the attention-weighted sum of the values' transform-domain vectors
 //                     (also an op of its own: kernels/cpu.py uses it for keys coded after RoPE).
@@ -356,13 +357,15 @@ inline void prefetch_source_rows(const Table* slice, const uint8_t* token_codes,
 }
 
 // Target head h of tokens [begin, end); `partial` holds (end - begin) * kDim floats of scratch, which ends holding
-// head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`.
+// head h's rebuilt pre-RoPE keys (before rotation) if `keep_keys`. `per_head`: keys coded per head, each from its
+// own codes only (a per-head table [H, R, D], mean and steps [H, D], as prerope_scores_into reads them), so head h
+// has one source, itself: the fused loop for values coded given the keys reads them this way too.
 template <int64_t kDim, typename Table>
 void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadScales* scales, const Table* table,
                              const float* steps, const float* mean, const float* cos, const float* sin, float* out,
                              int64_t heads, int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
-                             float* partial, bool keep_keys) {
+                             float* partial, bool keep_keys, bool per_head = false) {
   constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
   const int64_t slice_elements = table_rows * kDim;
@@ -372,10 +375,11 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
   const float* qh = q + h * rows * kDim;
   float* out_h = out + h * rows * out_stride;
   const float* step_block = steps;  // fixed point: one step row per slice, in the slices' order
-  for (int64_t j = 0; j <= h; ++j) {
-    const Table* slice = block + (h - j) * slice_elements;
-    const float* slice_step = steps == nullptr ? nullptr : step_block + (h - j) * kDim;
-    const float* source_mean = mean + (j * heads + h) * kDim;
+  const int64_t first_source = per_head ? h : 0;
+  for (int64_t j = first_source; j <= h; ++j) {
+    const Table* slice = per_head ? table + h * slice_elements : block + (h - j) * slice_elements;
+    const float* slice_step = steps == nullptr ? nullptr : (per_head ? steps + h * kDim : step_block + (h - j) * kDim);
+    const float* source_mean = mean + (per_head ? h : j * heads + h) * kDim;
     const uint8_t* source_codes = codes + j * tokens * stages;
     const HeadScales& scale = scales[j];
     for (int64_t t = begin; t < end; ++t) {
@@ -394,7 +398,9 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
         continue;
       }
       Vec key[kBlocks];
-      for (int64_t b = 0; b < kBlocks; ++b) key[b] = factor * part[b] + (h == 0 ? Vec{} : load(keep + b * kLanes));
+      for (int64_t b = 0; b < kBlocks; ++b) {
+        key[b] = factor * part[b] + (j == first_source ? Vec{} : load(keep + b * kLanes));
+      }
       if (keep_keys) {
         for (int64_t b = 0; b < kBlocks; ++b) *reinterpret_cast<Vec*>(keep + b * kLanes) = key[b];
       }
@@ -723,12 +729,12 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
                                     int64_t stages,
                                     int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end,
                                     float scaling, float* keys, const ConditionalKeySums& spec, const float* mask,
-                                    float* peaks, float* sums) {
+                                    float* peaks, float* sums, bool per_head) {
   const int64_t n = end - begin;
   for (int64_t h = 0; h < heads; ++h) {
     conditional_scores_tile<kDim>(q, codes, scales, table, steps, mean, cos, sin, out, heads, h, rows, out_stride,
                                   tokens, stages, codebook_size, table_rows, begin, end, scaling,
-                                  keys + h * spec.tile_tokens * kDim, true);
+                                  keys + h * spec.tile_tokens * kDim, true, per_head);
   }
   const int64_t all_rows = heads * rows;
   for (int64_t r = 0; r < all_rows; ++r) {
@@ -756,13 +762,17 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
 // [R, D] (R >= S * K); mean [H, H*D] f32;
 // cos, sin [B, N, D/2] f32  ->  scores written to out[((b * H + h) * M + m) * out_stride + n]; with `key_sums`, the
 // fused loop for values coded given the keys (ConditionalKeySums).
+// `per_head` (with key_sums only): keys coded per head instead, with the table, mean and step prerope_scores_into
+// reads ([H, R, D], [H, D], [H, D]): the same fused loop, each head rebuilt from its own codes.
 void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const at::Tensor& scales,
                              const c10::optional<at::Tensor>& scale_levels, const at::Tensor& table,
                              const c10::optional<at::Tensor>& table_step, const at::Tensor& mean,
                              const at::Tensor& cos, const at::Tensor& sin, int64_t codebook_size, double scaling,
                              float* op, int64_t out_stride,
-                             const ConditionalKeySums* key_sums = nullptr) {
-  check(q.dim() == 4 && codes.dim() == 4 && table.dim() == 1 && mean.dim() == 2 && cos.dim() == 3 && sin.dim() == 3,
+                             const ConditionalKeySums* key_sums = nullptr, bool per_head = false) {
+  check(!per_head || key_sums != nullptr, "keys per head take this loop only to form the values' key sums");
+  check(q.dim() == 4 && codes.dim() == 4 && table.dim() == (per_head ? 3 : 1) && mean.dim() == 2 && cos.dim() == 3 &&
+            sin.dim() == 3,
         "unexpected ranks for conditional keys");
   for (const auto* t : {&q, &mean, &cos, &sin}) {
     check(t->scalar_type() == at::kFloat && t->is_contiguous() && t->device().is_cpu(),
@@ -775,20 +785,23 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
   const int64_t batch = q.size(0), heads = q.size(1), rows = q.size(2), dim = q.size(3);
   const int64_t tokens = codes.size(2), stages = codes.size(3);
   check(dim == 64 || dim == 128, "conditional keys need head_dim 64 or 128");
+  const int64_t slice_count = per_head ? heads : heads * (heads + 1) / 2;
   if (fixed_point) {
     check(table_step->scalar_type() == at::kFloat && table_step->is_contiguous() && table_step->dim() == 2 &&
-              table_step->size(0) == heads * (heads + 1) / 2 && table_step->size(1) == dim,
-          "the conditional key table's step must be contiguous float32 [slices, head_dim]");
+              table_step->size(0) == slice_count && table_step->size(1) == dim,
+          "the key table's step must be contiguous float32 [slices (heads for keys per head), head_dim]");
   }
   const float* step_rows = fixed_point ? table_step->const_data_ptr<float>() : nullptr;
   check(heads <= kMaxConditionalHeads, "conditional keys support at most 16 KV heads");
   check(codes.size(0) == batch && codes.size(1) == heads, "codes do not match the query's batch and heads");
   check_scales(scales, scale_levels, batch, heads, tokens);
-  const int64_t slices = heads * (heads + 1) / 2 * dim;
+  check(!per_head || (table.size(0) == heads && table.size(2) == dim), "per-head key table must be [heads, R, head_dim]");
+  const int64_t slices = slice_count * dim;
   check(table.numel() % slices == 0 && table.numel() / slices >= stages * codebook_size,
-        "conditional key table too small for these codes");
+        "key table too small for these codes");
   const int64_t table_rows = table.numel() / slices;
-  check(mean.size(0) == heads && mean.size(1) == heads * dim, "conditional key mean must be [heads, heads * head_dim]");
+  check(mean.size(0) == heads && mean.size(1) == (per_head ? dim : heads * dim),
+        "key mean must be [heads, heads * head_dim] for conditional keys, [heads, head_dim] for keys per head");
   check_rotary_and_scores(cos, sin, batch, tokens, dim, out_stride);
   const int64_t tiles = (tokens + kConditionalTileTokens - 1) / kConditionalTileTokens;
   const float* qp = q.const_data_ptr<float>();
@@ -820,7 +833,7 @@ void conditional_scores_into(const at::Tensor& q, const at::Tensor& codes, const
           run(qp + b * heads * rows * dim, cp + b * heads * tokens * stages, head_scale, tp, step_rows, mp,
               cosp + b * tokens * dim / 2, sinp + b * tokens * dim / 2, op + b * heads * rows * out_stride, heads, rows,
               out_stride, tokens, stages, codebook_size, table_rows, begin, end, scale, keys.get(), *key_sums, mask,
-              peaks, sums);
+              peaks, sums, per_head);
         }
       });
       return;
@@ -1134,9 +1147,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   }
   auto scores = at::empty({batch, heads, rows, width}, q.options());
   float* sp = scores.data_ptr<float>();
-  // Values coded given the keys, keys coded conditionally: the key loop also forms the attention-weighted key sums
-  // the prediction needs (ConditionalKeySums), tile by tile, with the coded tokens' masks and weights.
-  const bool fused_prediction = conditional_keys && value_predictor.has_value();
+  // Values coded given the keys (value_predictor): the key loop also forms the attention-weighted key sums the
+  // prediction needs (ConditionalKeySums), tile by tile, with the coded tokens' masks and weights. Keys per head go
+  // through the conditional loop for this, each head its own only source; the other way to add the prediction, a
+  // histogram of the key codes per key head (predicted_codes...), cost about twice as much per layer at 1K-4K tokens.
+  const bool fused_prediction = value_predictor.has_value();
+  check(!fused_prediction || !predicted_codes.has_value(),
+        "give the values' prediction either as value_predictor or as predicted codes and tables, not both");
+  check(!fused_prediction || conditional_keys || (key_codes.size(1) == heads && (dim == 64 || dim == 128)),
+        "value_predictor with keys per head needs a code per head and head_dim 64 or 128 (else pass predicted codes)");
   const float* predictor = nullptr;
   int64_t tiles = 0, tile_tokens = 0;
   at::Tensor tile_peaks, tile_key_sums, key_sums;
@@ -1152,13 +1171,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
     tile_key_sums = at::empty({batch, tiles, heads * rows, heads * dim}, q.options());
     key_sums = at::zeros({batch * heads * rows, heads * dim}, q.options());
   }
-  if (conditional_keys) {
+  if (conditional_keys || fused_prediction) {
     const ConditionalKeySums spec{coded_mask.has_value() ? coded_mask->const_data_ptr<float>() : nullptr,
                                   query_length, tile_tokens,
                                   fused_prediction ? tile_peaks.data_ptr<float>() : nullptr,
                                   fused_prediction ? tile_key_sums.data_ptr<float>() : nullptr};
     conditional_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_table_step, key_mean, cos, sin,
-                            codebook_size, scaling, sp, width, fused_prediction ? &spec : nullptr);
+                            codebook_size, scaling, sp, width, fused_prediction ? &spec : nullptr,
+                            /*per_head=*/!conditional_keys);
   } else {
     prerope_scores_into(q, key_codes, key_scales, key_scale_levels, key_table, key_table_step, key_mean, cos, sin,
                         codebook_size, scaling, sp, width);

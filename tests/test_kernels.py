@@ -12,7 +12,7 @@ import torch
 
 from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
 from hf_kvcodecs.kernels.cpu import (FixedPointKeyTable, coded_attention_cpu, conditional_key_table,
-                                     folded_key_table)
+                                     folded_key_table, fuses_value_prediction)
 from hf_kvcodecs.kernels.cpu_native import build_error, native_ops
 
 triton = pytest.importorskip("triton")
@@ -98,7 +98,7 @@ def op_arguments(problem):
 
 def dequantize_then_attend(problem, dtype, key_dtype=None):
     """Plain PyTorch: decode every coded vector in ``dtype``, rotate, and attend in ``dtype`` (with ``key_dtype``, the
-    coded keys are rounded to it first)."""
+    coded keys are rounded to it first, and values coded given the keys are predicted from the keys so held)."""
     dequantize_keys = (reference.conditional_dequantize_reference if reference.is_conditional(problem["key_codec"][1])
                        else reference.dequantize_reference)
     keys = dequantize_keys(problem["key_codes"], problem["key_scales"], *problem["key_codec"], torch.float64)
@@ -106,7 +106,8 @@ def dequantize_then_attend(problem, dtype, key_dtype=None):
                                             torch.float64)
     if "value_predictor" in problem:  # values coded given the keys: residual + prediction from the keys as coded
         batch, kv_heads, tokens, dim = keys.shape
-        flat = torch.cat([keys.permute(0, 2, 1, 3).reshape(batch, tokens, -1), keys.new_ones(batch, tokens, 1)], -1)
+        held = keys.to(key_dtype).double() if key_dtype is not None else keys
+        flat = torch.cat([held.permute(0, 2, 1, 3).reshape(batch, tokens, -1), keys.new_ones(batch, tokens, 1)], -1)
         predicted = flat @ problem["value_predictor"].double()
         values = values + predicted.reshape(batch, tokens, kv_heads, dim).permute(0, 2, 1, 3)
     if problem["positions"] is not None:
@@ -425,17 +426,21 @@ def test_an_unknown_key_table_dtype_is_a_clear_error(monkeypatch):
         coded_attention(*op_arguments(make_problem(rope=True)))
 
 
-@pytest.mark.parametrize("keys", ["per-head", "joint", "conditional"])
+@pytest.mark.parametrize("keys", ["per-head", "per-head-dim-32", "joint", "conditional"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
     """Values coded given the keys (``value_predictor``): the op's reference adds the prediction from
     attention-weighted sums of the coded keys, the Triton kernel from every source key head's codes; both against
-    float64 decode-predict-then-attend."""
-    shape = dict(kv_heads=3, group_count=3, tokens=75, dim=64)
+    float64 decode-predict-then-attend. On CPU, keys per head at head_dim 64 and conditional keys take the compiled
+    loop that forms the key sums while rebuilding the keys; joint keys and head_dim 32 its histogram of the key codes."""
+    dim = 32 if keys == "per-head-dim-32" else 64
+    assert fuses_value_prediction(keys == "conditional", 1 if keys == "joint" else 3, dim, 3) == (
+        keys in ("per-head", "conditional"))
+    shape = dict(kv_heads=3, group_count=3, tokens=75, dim=dim)
     problem = make_problem(rope=True, joint=True if keys == "joint" else "values", conditional=keys == "conditional",
                            **shape)
     add_exact_tokens(problem)
-    width = 3 * 64
+    width = 3 * dim
     generator = torch.Generator().manual_seed(5)
     problem["value_predictor"] = torch.randn(width + 1, width, generator=generator) / width**0.5
     problem["query"] = problem["query"].to(dtype)
@@ -467,13 +472,15 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_conditional_keys_with_values_given_keys_fuse_the_prediction_into_the_key_loop_across_tiles(threads):
-    """The compiled CPU loop for conditional keys forms the prediction's weighted key sums tile by tile (each tile
-    exponentiated against its own peak, then rescaled to the row's): more than one tile, a tile that a padding mask
-    hides entirely, a row hidden entirely (coded and exact tokens) and two queries per step, against float64."""
+@pytest.mark.parametrize("conditional", [True, False], ids=["conditional-keys", "keys-per-head"])
+def test_values_given_keys_fuse_the_prediction_into_the_key_loop_across_tiles(threads, conditional):
+    """The compiled CPU loop for conditional keys, and for keys per head, forms the prediction's weighted key sums
+    tile by tile (each tile exponentiated against its own peak, then rescaled to the row's): more than one tile, a
+    tile that a padding mask hides entirely, a row hidden entirely (coded and exact tokens) and two queries per step,
+    against float64."""
     if native_ops() is None:
         pytest.skip(f"compiled CPU loops unavailable: {build_error()}")
-    problem = make_problem(rope=True, joint="values", conditional=True, kv_heads=3, group_count=3, tokens=1100,
+    problem = make_problem(rope=True, joint="values", conditional=conditional, kv_heads=3, group_count=3, tokens=1100,
                            query_length=2, padded=False)
     add_exact_tokens(problem)
     mask = torch.zeros(2, 2, 1100)

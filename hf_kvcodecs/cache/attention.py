@@ -16,7 +16,7 @@ import torch
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
 from ..kernels.cpu import (DecodeConstants, conditional_native_supports, decode_constants, decode_with_constants,
-                           float_key_table_dtype, native_key_table_dtype)
+                           float_key_table_dtype, fuses_value_prediction, native_key_table_dtype)
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
 
@@ -146,8 +146,8 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     prediction = predictor = None
     if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
-        if conditional:  # the key loop forms the weighted key sums the predictor needs
-            predictor = value_codec.predictor
+        if fuses_value_prediction(conditional, key_codec.code_heads, key_codec.head_dim, key_codec.num_heads):
+            predictor = value_codec.predictor  # the key loop forms the weighted key sums the predictor needs
         else:  # a histogram of the key codes per key head
             prediction = (key_levels, *value_codec.attention_prediction(key_codec))
     else:
