@@ -50,8 +50,9 @@ POST_ROPE_KEY_LAYOUT = "per_head"
 # Since 2026-12-03 values are coded given the token's decoded keys ("given_keys", codecs/given_keys.py) when the keys
 # are coded before RoPE. On bench kv's 28 windows at 2 bits, against values coded jointly without the prediction:
 # KL 0.026 -> 0.017 and perplexity 0.9 +- 0.4 % lower (paired), pass key 33/36 instead of 35/36 (both misses with
-# the needle near the end of the haystack); CPU decode 11-12 % slower at 1K-4K tokens, equal at 8K (`bench decode`,
-# same run), and about 0 % / 10 % slower at 1K / 4K since the compiled loop forms the prediction's key sums itself. The prediction needs the keys before RoPE, so keys coded after RoPE keep jointly coded values.
+# the needle near the end of the haystack). CPU decode was 11-12 % slower at 1K-4K tokens and equal at 8K
+# (`bench decode`, same run); since the compiled loop forms the prediction's key sums itself it is about 0 % / 10 %
+# slower at 1K / 4K. The prediction needs the keys before RoPE, so keys coded after RoPE keep jointly coded values.
 DEFAULT_VALUE_LAYOUT = "given_keys"
 POST_ROPE_VALUE_LAYOUT = "joint_heads"
 
