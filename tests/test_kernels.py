@@ -510,6 +510,27 @@ def test_values_given_keys_fuse_the_prediction_into_the_key_loop_across_tiles(th
     torch.testing.assert_close(out[1, :, 1], reference_out[1, :, 1])  # a row that sees nothing: as the reference
 
 
+@pytest.mark.parametrize("kv_heads,group_count", [(2, 1), (3, 1), (2, 2), (1, 5), (1, 7), (2, 4)],
+                         ids=["2-rows", "3-rows", "4-rows", "5-rows", "7-rows", "8-rows"])
+def test_fused_key_sums_cover_every_row_count(kv_heads, group_count):
+    """The fused loop sums the keys for several query rows at once (blocks of 6 with AVX-512, else 4): row counts
+    that leave each remainder of a block, keys per head and values given the keys, against float64."""
+    if native_ops() is None:
+        pytest.skip(f"compiled CPU loops unavailable: {build_error()}")
+    problem = make_problem(rope=True, joint="values", kv_heads=kv_heads, group_count=group_count, tokens=90)
+    add_exact_tokens(problem)
+    width = kv_heads * 64
+    problem["value_predictor"] = torch.randn(width + 1, width, generator=torch.Generator().manual_seed(7)) / width**0.5
+    truth, _ = dequantize_then_attend(problem, torch.float64)
+    plain, _ = dequantize_then_attend(problem, torch.float32)
+    args = op_arguments(problem) + list(problem["exact"]) + [None, None, problem["value_predictor"]]
+    out, _ = coded_attention_cpu(*args)
+    error = (out.double() - truth).abs().max().item()
+    assert error <= 2 * (plain - truth).abs().max().item() + 1e-5, error
+    without, _ = coded_attention_cpu(*args[:-1])  # the prediction is really added, for every row
+    assert ((without.double() - truth).abs().amax(dim=-1) > 10 * (error + 1e-6)).all()
+
+
 def test_triton_folds_a_value_predictor_once_per_predictor_and_key_operands():
     from hf_kvcodecs.kernels.triton_attention import _folded_prediction
 
