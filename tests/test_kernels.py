@@ -480,11 +480,11 @@ def test_values_given_keys_fuse_the_prediction_into_the_key_loop_across_tiles(th
     against float64."""
     if native_ops() is None:
         pytest.skip(f"compiled CPU loops unavailable: {build_error()}")
-    problem = make_problem(rope=True, joint="values", conditional=conditional, kv_heads=3, group_count=3, tokens=1100,
+    problem = make_problem(rope=True, joint="values", conditional=conditional, kv_heads=3, group_count=3, tokens=2200,
                            query_length=2, padded=False)
     add_exact_tokens(problem)
-    mask = torch.zeros(2, 2, 1100)
-    mask[0, :, :700] = -math.inf  # the first of the two 560-token tiles entirely, the second partly
+    mask = torch.zeros(2, 2, 2200)
+    mask[0, :, :1300] = -math.inf  # the first of the two 1104-token tiles entirely, the second partly
     mask[1, 1] = -math.inf  # the second query of the second row sees nothing coded ...
     problem["mask"] = mask
     problem["exact"][2][1, 1] = -math.inf  # ... and nothing exact
