@@ -45,11 +45,12 @@ constexpr int64_t kMaxHeadDim = 512;
 // How many tokens ahead the key loops ask for table rows: 8 tokens' rows (~240 cache lines for 15 stages of 64-dim
 // float16 rows) cover the latency of L3; on the AVX2 machine with 512 KB of L2, 8-12 decoded 1.07-1.2x faster than 4.
 constexpr int64_t kPrefetchDistance = 8;
-// The fused/conditional loops run one head over a whole tile (up to 2048 / 1024 tokens). Its first ~400 tokens read ~80 % of
-// a 15-stage table's rows, which then stay in L2 for the rest of the tile, and from there on the prefetches (two per
-// 64-dim int16 row, load-port work like any load) cost more than the misses they hide. Zen 4, tables evicted between
-// calls, prefetching for the first 384 tokens instead of throughout: 1.04x / 1.08x / 1.11x / 1.11x faster per layer
-// at 1K / 2K / 4K / 8K tokens.
+// The fused loop (values coded given the keys) runs one head over a whole tile of up to 2048 tokens. Its first ~400
+// tokens read ~80 % of a 15-stage table's rows, which then mostly stay in L2 for the rest of the tile, and from there
+// on the prefetches (two per 64-dim int16 row, load-port work like any load) cost more than the misses they hide.
+// Zen 4, tables evicted between calls, prefetching for a tile's first 384 tokens instead of throughout: keys per head
+// 1.04x / 1.08x / 1.11x / 1.11x faster per layer at 1K / 2K / 4K / 8K tokens. The conditional loop without the
+// prediction, whose slices share L2 with a partial-key scratch, prefetches throughout (the cut-off there: 0.86x at 1K).
 constexpr int64_t kPrefetchTileTokens = 384;
 
 // One SIMD register of floats in GCC/Clang's vector extension, as wide as -march=native allows (loop-based code
@@ -371,7 +372,8 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
                              const float* steps, const float* mean, const float* cos, const float* sin, float* out,
                              int64_t heads, int64_t h, int64_t rows, int64_t out_stride, int64_t tokens, int64_t stages,
                              int64_t codebook_size, int64_t table_rows, int64_t begin, int64_t end, float scaling,
-                             float* partial, bool keep_keys, bool per_head = false) {
+                             float* partial, bool keep_keys, bool per_head = false,
+                             int64_t prefetch_tokens = std::numeric_limits<int64_t>::max()) {
   constexpr int64_t kBlocks = kDim / kLanes;
   static_assert(kDim % (2 * kLanes) == 0, "head_dim must be a multiple of two vectors");
   const int64_t slice_elements = table_rows * kDim;
@@ -389,7 +391,7 @@ void conditional_scores_tile(const float* q, const uint8_t* codes, const HeadSca
     const uint8_t* source_codes = codes + j * tokens * stages;
     const HeadScales& scale = scales[j];
     for (int64_t t = begin; t < end; ++t) {
-      if (t + kPrefetchDistance < end && t - begin < kPrefetchTileTokens) {
+      if (t + kPrefetchDistance < end && t - begin < prefetch_tokens) {
         prefetch_source_rows<kDim>(slice, source_codes + (t + kPrefetchDistance) * stages, stages, codebook_size);
       }
       Vec part[kBlocks];
@@ -753,7 +755,7 @@ void conditional_tile_with_key_sums(const float* q, const uint8_t* codes, const 
   for (int64_t h = 0; h < heads; ++h) {
     conditional_scores_tile<kDim>(q, codes, scales, table, steps, mean, cos, sin, out, heads, h, rows, out_stride,
                                   tokens, stages, codebook_size, table_rows, begin, end, scaling,
-                                  keys + h * spec.tile_tokens * kDim, true, per_head);
+                                  keys + h * spec.tile_tokens * kDim, true, per_head, kPrefetchTileTokens);
   }
   const int64_t all_rows = heads * rows;
   for (int64_t r = 0; r < all_rows; ++r) {
