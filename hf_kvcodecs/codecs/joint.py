@@ -51,8 +51,9 @@ POST_ROPE_KEY_LAYOUT = "per_head"
 # are coded before RoPE. On bench kv's 28 windows at 2 bits, against values coded jointly without the prediction:
 # KL 0.026 -> 0.017 and perplexity 0.9 +- 0.4 % lower (paired), pass key 33/36 instead of 35/36 (both misses with
 # the needle near the end of the haystack). CPU decode was 11-12 % slower at 1K-4K tokens and equal at 8K
-# (`bench decode`, same run); since the compiled loop forms the prediction's key sums itself it is about 0 % / 10 %
-# slower at 1K / 4K. The prediction needs the keys before RoPE, so keys coded after RoPE keep jointly coded values.
+# (`bench decode`, same run); since the compiled loop forms the prediction's key sums itself, 1 % / 9 % / 15 % slower
+# at 1K / 4K / 8K in the latest run (2026-12-04; earlier runs 0-24 %: about this host's run-to-run noise). The
+# prediction needs the keys before RoPE, so keys coded after RoPE keep jointly coded values.
 DEFAULT_VALUE_LAYOUT = "given_keys"
 POST_ROPE_VALUE_LAYOUT = "joint_heads"
 
