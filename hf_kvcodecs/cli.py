@@ -100,7 +100,7 @@ def cmd_bench_kv(args) -> int:
                                key_layout=args.key_layout, value_layout=args.value_layout,
                                layout_variants=args.layout_variants, baselines=args.baselines,
                                rates=args.bits or GSRQ_RATES, windows=args.windows,
-                               passkey_trials=args.passkey_trials, speed=args.speed)
+                               passkey_trials=args.passkey_trials, speed=args.speed, plain_rvq=args.plain_rvq)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--passkey-trials", type=_positive_int, default=None,
                     help="pass-key haystacks per (length, depth) cell (default: 2, i.e. 18 haystacks)")
     kv.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed phase")
+    kv.add_argument("--plain-rvq", action="store_true",
+                    help="add plain l2 residual VQ (VQLLM-like: shared codebooks, no transform, greedy, RMS scale) "
+                         "calibrated with the first seed, at the same rates")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

@@ -10,7 +10,10 @@ from hf_kvcodecs import GSRQCodebooks
 from hf_kvcodecs.bench import kv
 from hf_kvcodecs.bench.harness import BASELINE_IDS, shipped_baselines
 from hf_kvcodecs import cli
+from hf_kvcodecs.cache import GSRQCache
 from hf_kvcodecs.models import LoadedModel
+
+from .conftest import TINY_BITS, _tiny_codebooks
 
 
 def test_baselines_can_be_chosen_and_the_reference_always_runs(tiny_model):
@@ -177,3 +180,37 @@ def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs, 
         kv.run_kv_benchmark(loaded, out=tmp_path, windows=0)
     with pytest.raises(ValueError, match="passkey_trials must be an integer of at least 0, got 1.5"):
         kv.run_kv_benchmark(loaded, out=tmp_path, passkey_trials=1.5)
+
+
+def test_plain_residual_vq_rows_are_calibrated_and_encoded_plainly(runs, calibrations, tiny_model):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines --no-layout-variants --learners l2 --plain-rvq")
+    assert rows == ["fp32 DynamicCache"] + [f"same codec, l2 k-means codebooks {bits}-bit" for bits in (1, 2)] + [
+        f"plain l2 residual VQ (VQLLM-like) {bits}-bit" for bits in (1, 2)]
+    assert calibrations[-1] == {"learner": "l2", "bits": 2.0, "seed": 0, "transform": "none", "key_layout": "per_head",
+                                "value_layout": "per_head", "weighted": False}
+    assert "--no-layout-variants --plain-rvq --baselines" in recorded
+    assert runs(recorded)[0] == rows
+    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    plain = kv.gsrq_methods(loaded, learners=("l2",), seeds=(3, 4), plain_rvq=True, progress=False)[-1]
+    assert plain.name == "plain l2 residual VQ (VQLLM-like), seed 3 2-bit" and plain.family == "plain-rvq"
+    assert plain.extra["encoder"] == {"gain": "rms", "beam_width": 1} and plain.extra["seed"] == 3
+    cache = plain.make_cache(tiny_model)
+    assert (cache.layers[0].gain, cache.layers[0].beam_width) == ("rms", 1)
+
+
+def test_plain_residual_vq_codebooks_decode_close_to_the_full_precision_cache(tiny_model, tiny_token_stream, tmp_path):
+    """The plain settings calibrate for real (no transform, shared per-head codebooks, unweighted) and the cache
+    built from them generates; its logits track the full-precision cache's."""
+    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path / "plain", **kv.PLAIN_RVQ_CALIBRATION)
+    codebooks = GSRQCodebooks.load(directory)
+    assert codebooks.layout("keys") == "per_head" and codebooks.layout("values") == "per_head"
+    prompt = tiny_token_stream[:200][None]
+    with torch.no_grad():
+        reference = tiny_model(prompt).logits[0, -1]
+        cache = GSRQCache(tiny_model.config, codebooks=codebooks, bits=TINY_BITS, window_length=8, flush_interval=8,
+                          num_sink_tokens=2, **kv.PLAIN_RVQ_ENCODER)
+        tiny_model(prompt[:, :-1], cache=cache)  # prefill; the next token attends over the coded history
+        coded = tiny_model(prompt[:, -1:], cache=cache).logits[0, -1]
+    assert cache.get_seq_length() == 200
+    relative = float((coded - reference).norm() / reference.norm())
+    assert 0 < relative < 0.5

@@ -33,17 +33,29 @@ QUICK_CALIBRATION = dict(num_windows=4, holdout_windows=1, n_iter=4, fit_rows=20
 BENCH_CACHE_SETTINGS = dict(window_length=32, flush_interval=32, num_sink_tokens=4)
 
 
+# Plain residual VQ as VQLLM does it, the baseline the GSRQ paper measures against: l2 k-means codebooks shared by a
+# layer's heads, fitted unweighted on RMS-normalized head vectors without a decorrelating transform, every head vector
+# coded on its own, the nearest codeword stage by stage (greedy), and the normalizing RMS kept as the scale. It
+# differs from VQLLM in the group size and codebook size (8-dim groups, 256 words, as every row here), contiguous
+# rather than interleaved key channel groups, the stages allocated to the groups by error, and no fine-tuning.
+PLAIN_RVQ_LABEL = "plain l2 residual VQ (VQLLM-like)"
+PLAIN_RVQ_FAMILY = "plain-rvq"
+PLAIN_RVQ_CALIBRATION = {"transform": "none", "key_layout": "per_head", "value_layout": "per_head", "weighted": False}
+PLAIN_RVQ_ENCODER = {"gain": "rms", "beam_width": 1}
+
+
 def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), seeds=(0,), text=None,
                  store=None, window_length: int = BENCH_CACHE_SETTINGS["window_length"],
                  flush_interval: int = BENCH_CACHE_SETTINGS["flush_interval"],
                  num_sink_tokens: int = BENCH_CACHE_SETTINGS["num_sink_tokens"],
                  calibration: dict | None = None, layout: tuple[str, dict] = ("", {}), layout_variants: tuple = (),
-                 progress: bool = True) -> list[CacheMethod]:
+                 plain_rvq: bool = False, progress: bool = True) -> list[CacheMethod]:
     """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
     luck of one k-means run. ``layout`` (``(description, settings)``, see :func:`codec_layout`) is the codec layout
     of those rows (default: the calibration defaults); ``layout_variants`` (more such pairs) add l2 codebooks of the
-    first seed with other codec layouts, measured in the same run.
+    first seed with other codec layouts, measured in the same run. ``plain_rvq`` adds plain l2 residual VQ
+    (:data:`PLAIN_RVQ_CALIBRATION`, :data:`PLAIN_RVQ_ENCODER`) calibrated with the first seed.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
@@ -52,23 +64,30 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
         raise ValueError("seeds must name at least one calibration seed.")
     attention_path = "codes" if enable_code_attention(loaded.model) else "dequantize"
     methods = []
-    runs = [(learner, seed, *layout) for learner in learners for seed in seeds]
-    runs += [("l2", seeds[0], description, settings) for description, settings in layout_variants]
-    for learner, seed, variant, layout in runs:
+    seed_label = (lambda seed: f", seed {seed}") if len(seeds) > 1 else (lambda seed: "")
+    # (learner, seed, row label, family label, calibration settings, encoder settings)
+    runs = [(learner, seed,
+             (f"GSRQ ({learner} codebooks{seed_label(seed)}{layout[0]})" if learner.startswith("gskm")
+              else f"same codec, l2 k-means codebooks{seed_label(seed)}{layout[0]}"),
+             GSRQ_LEARNERS.get(learner, learner) + (" " + layout_family(layout[1]) if layout[1] else ""),
+             layout[1], {}) for learner in learners for seed in seeds]
+    runs += [("l2", seeds[0], f"same codec, l2 k-means codebooks{seed_label(seeds[0])}{description}",
+              "l2-rvq " + layout_family(settings), settings, {}) for description, settings in layout_variants]
+    if plain_rvq:
+        runs.append(("l2", seeds[0], PLAIN_RVQ_LABEL + seed_label(seeds[0]), PLAIN_RVQ_FAMILY, PLAIN_RVQ_CALIBRATION,
+                     PLAIN_RVQ_ENCODER))
+    for learner, seed, label, family, layout, encoder in runs:
         codebooks, directory, reused = ensure_codebooks(
             loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates), seed=seed,
             **layout, **(calibration or {}),
         )
         for bits in rates:
             cache_settings = dict(codebooks=codebooks, bits=bits, window_length=window_length,
-                                  flush_interval=flush_interval, num_sink_tokens=num_sink_tokens)
-            seed_label = f", seed {seed}" if len(seeds) > 1 else ""
-            label = (f"GSRQ ({learner} codebooks{seed_label}{variant})" if learner.startswith("gskm")
-                     else f"same codec, l2 k-means codebooks{seed_label}{variant}")
+                                  flush_interval=flush_interval, num_sink_tokens=num_sink_tokens, **encoder)
             methods.append(CacheMethod(
                 name=f"{label} {bits:g}-bit",
                 make_cache=lambda model, s=cache_settings: GSRQCache(model.config, **s),
-                family=GSRQ_LEARNERS.get(learner, learner) + (" " + layout_family(layout) if layout else ""),
+                family=family,
                 nominal_bits=bits,
                 extra={
                     "learner": learner, "seed": seed, "bits": bits, "key_layout": codebooks.layout("keys"),
@@ -76,6 +95,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
                     "num_sink_tokens": num_sink_tokens, "codebooks": str(directory), "attention": attention_path,
                     "calibration_seconds": round(codebooks.calibration["seconds_total"], 1),
                     "calibration_reused": reused, "calibration_text": codebooks.calibration["text"]["description"],
+                    **({"encoder": encoder, "calibration_settings": layout} if encoder else {}),
                     "holdout_relative_mse": codebooks.calibration["holdout_mean"] if bits == max(rates) else None,
                 },
             ))
@@ -117,7 +137,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
                      rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
-                     speed: bool = True) -> dict:
+                     speed: bool = True, plain_rvq: bool = False) -> dict:
     """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
     reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
     ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
@@ -125,6 +145,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
     ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
+    ``plain_rvq`` adds plain l2 residual VQ at the same rates (see :data:`PLAIN_RVQ_CALIBRATION`).
     """
     rates = tuple(rates)
     if not rates or len(set(rates)) < len(rates):
@@ -147,12 +168,13 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     layout = codec_layout(key_layout, value_layout)
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
-    check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants)])
+    check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants),
+                                                     *([PLAIN_RVQ_CALIBRATION] if plain_rvq else [])])
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
         loaded, rates=rates, seeds=tuple(seeds), learners=learners, text=calibration_text, store=store, progress=progress,
-        calibration=QUICK_CALIBRATION if quick else None, layout=layout, layout_variants=variants,
+        calibration=QUICK_CALIBRATION if quick else None, layout=layout, layout_variants=variants, plain_rvq=plain_rvq,
     )
     results = evaluate_methods(
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,
@@ -161,7 +183,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
                                     layout_variants=layout_variants, baselines=baselines, rates=rates, text=text,
                                     calibration_text=calibration_text, threads=torch.get_num_threads(),
-                                    windows=windows, passkey_trials=passkey_trials, speed=speed)
+                                    windows=windows, passkey_trials=passkey_trials, speed=speed, plain_rvq=plain_rvq)
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 
@@ -272,7 +294,8 @@ def memory_markdown(results: dict) -> str:
 
 def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
                rates=GSRQ_RATES, text=None, calibration_text=None, threads: int | None = None,
-               windows: int | None = None, passkey_trials: int | None = None, speed: bool = True) -> str:
+               windows: int | None = None, passkey_trials: int | None = None, speed: bool = True,
+               plain_rvq: bool = False) -> str:
     """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
     ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
     def words(value):
@@ -288,6 +311,7 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--windows", str(windows)], windows is not None),
         (["--passkey-trials", str(passkey_trials)], passkey_trials is not None),
         (["--no-speed"], not speed),
+        (["--plain-rvq"], plain_rvq),
         (["--baselines", *(baselines or ())], baselines is not None),
         (["--text", *words(text or ())], text is not None),
         (["--calibration-text", *words(calibration_text or ())], calibration_text is not None),
