@@ -91,6 +91,13 @@ def cmd_push_codebooks(args) -> int:
     return 0
 
 
+def _plain_rvq_group_dims(given: list[int] | None) -> tuple[int, ...]:
+    """``--plain-rvq [GROUP_DIM ...]``: absent → no plain rows; given without sizes → the default group size."""
+    from .bench.kv import PLAIN_RVQ_GROUP_DIMS
+
+    return () if given is None else tuple(given) or PLAIN_RVQ_GROUP_DIMS
+
+
 def cmd_bench_kv(args) -> int:
     from .bench.kv import run_kv_benchmark
 
@@ -100,7 +107,8 @@ def cmd_bench_kv(args) -> int:
                                key_layout=args.key_layout, value_layout=args.value_layout,
                                layout_variants=args.layout_variants, baselines=args.baselines,
                                rates=args.bits or GSRQ_RATES, windows=args.windows,
-                               passkey_trials=args.passkey_trials, speed=args.speed, plain_rvq=args.plain_rvq)
+                               passkey_trials=args.passkey_trials, speed=args.speed,
+                               plain_rvq=_plain_rvq_group_dims(args.plain_rvq))
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -397,9 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--passkey-trials", type=_positive_int, default=None,
                     help="pass-key haystacks per (length, depth) cell (default: 2, i.e. 18 haystacks)")
     kv.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed phase")
-    kv.add_argument("--plain-rvq", action="store_true",
-                    help="add plain l2 residual VQ (VQLLM-like: shared codebooks, no transform, greedy, RMS scale) "
-                         "calibrated with the first seed, at the same rates")
+    kv.add_argument("--plain-rvq", nargs="*", type=_positive_int, default=None, metavar="GROUP_DIM",
+                    help="add plain l2 residual VQ (VQLLM-like: codebooks shared by the heads, no transform, greedy "
+                         "encoder, RMS scale) calibrated with the first seed, at the same rates, over groups of each "
+                         "GROUP_DIM channels (default: 8)")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

@@ -147,6 +147,12 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
         runs("hf-kvcodecs bench kv --bits 0.7 --key-layout joint_heads")
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
+    with pytest.raises(ValueError, match=r"--plain-rvq 6: a group size must divide the model's head_dim \(16\)"):
+        runs("hf-kvcodecs bench kv --plain-rvq 8 6")
+    with pytest.raises(ValueError, match="given once"):
+        runs("hf-kvcodecs bench kv --plain-rvq 8 8")
+    with pytest.raises(SystemExit):  # argparse: not a positive integer
+        runs("hf-kvcodecs bench kv --plain-rvq 0")
     assert calibrations == []
 
 
@@ -184,24 +190,30 @@ def test_windows_pass_key_trials_and_speed_can_be_chosen_and_are_recorded(runs, 
 
 def test_plain_residual_vq_rows_are_calibrated_and_encoded_plainly(runs, calibrations, tiny_model):
     rows, recorded = runs("hf-kvcodecs bench kv --baselines --no-layout-variants --learners l2 --plain-rvq")
-    assert rows == ["fp32 DynamicCache"] + [f"same codec, l2 k-means codebooks {bits}-bit" for bits in (1, 2)] + [
-        f"plain l2 residual VQ (VQLLM-like) {bits}-bit" for bits in (1, 2)]
+    plain = [f"plain l2 residual VQ (VQLLM-like, 8-dim groups) {bits}-bit" for bits in (1, 2)]
+    assert rows == ["fp32 DynamicCache"] + [f"same codec, l2 k-means codebooks {bits}-bit" for bits in (1, 2)] + plain
     assert calibrations[-1] == {"learner": "l2", "bits": 2.0, "seed": 0, "transform": "none", "key_layout": "per_head",
-                                "value_layout": "per_head", "weighted": False}
-    assert "--no-layout-variants --plain-rvq --baselines" in recorded
+                                "value_layout": "per_head", "weighted": False, "group_dim": 8}
+    assert "--no-layout-variants --plain-rvq 8 --baselines" in recorded
     assert runs(recorded)[0] == rows
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines --no-layout-variants --learners l2 --plain-rvq 8 16")
+    assert rows[-2:] == [f"plain l2 residual VQ (VQLLM-like, 16-dim groups) {bits}-bit" for bits in (1, 2)]
+    assert calibrations[-1]["group_dim"] == 16 and "--plain-rvq 8 16 --baselines" in recorded
+    assert "--plain-rvq" not in runs("hf-kvcodecs bench kv --baselines --no-layout-variants")[1]
     loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
-    plain = kv.gsrq_methods(loaded, learners=("l2",), seeds=(3, 4), plain_rvq=True, progress=False)[-1]
-    assert plain.name == "plain l2 residual VQ (VQLLM-like), seed 3 2-bit" and plain.family == "plain-rvq"
+    plain = kv.gsrq_methods(loaded, learners=("l2",), seeds=(3, 4), plain_rvq=(16,), progress=False)[-1]
+    assert plain.name == "plain l2 residual VQ (VQLLM-like, 16-dim groups), seed 3 2-bit" and plain.family == "plain-rvq"
     assert plain.extra["encoder"] == {"gain": "rms", "beam_width": 1} and plain.extra["seed"] == 3
     cache = plain.make_cache(tiny_model)
     assert (cache.layers[0].gain, cache.layers[0].beam_width) == ("rms", 1)
+    with pytest.raises(ValueError, match="positive integers, got 0"):
+        kv.gsrq_methods(loaded, plain_rvq=(0,), progress=False)
 
 
 def test_plain_residual_vq_codebooks_decode_close_to_the_full_precision_cache(tiny_model, tiny_token_stream, tmp_path):
     """The plain settings calibrate for real (no transform, shared per-head codebooks, unweighted) and the cache
     built from them generates; its logits track the full-precision cache's."""
-    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path / "plain", **kv.PLAIN_RVQ_CALIBRATION)
+    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path / "plain", **kv.plain_rvq_row(8)[1])
     codebooks = GSRQCodebooks.load(directory)
     assert codebooks.layout("keys") == "per_head" and codebooks.layout("values") == "per_head"
     prompt = tiny_token_stream[:200][None]

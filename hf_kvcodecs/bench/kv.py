@@ -38,10 +38,19 @@ BENCH_CACHE_SETTINGS = dict(window_length=32, flush_interval=32, num_sink_tokens
 # coded on its own, the nearest codeword stage by stage (greedy), and the normalizing RMS kept as the scale. It
 # differs from VQLLM in the group size and codebook size (8-dim groups, 256 words, as every row here), contiguous
 # rather than interleaved key channel groups, the stages allocated to the groups by error, and no fine-tuning.
-PLAIN_RVQ_LABEL = "plain l2 residual VQ (VQLLM-like)"
+# Its group size is a choice of the run (VQLLM codes 32- or 64-dim sub-vectors, with larger codebooks than here).
 PLAIN_RVQ_FAMILY = "plain-rvq"
 PLAIN_RVQ_CALIBRATION = {"transform": "none", "key_layout": "per_head", "value_layout": "per_head", "weighted": False}
 PLAIN_RVQ_ENCODER = {"gain": "rms", "beam_width": 1}
+PLAIN_RVQ_GROUP_DIMS = (8,)  # `--plain-rvq` without a group size: this codec's default groups
+
+
+def plain_rvq_row(group_dim: int) -> tuple[str, dict]:
+    """``(row label, calibration settings)`` of plain l2 residual VQ over ``group_dim``-dim groups."""
+    if isinstance(group_dim, bool) or not isinstance(group_dim, int) or group_dim < 1:
+        raise ValueError(f"plain residual VQ group sizes must be positive integers, got {group_dim!r}.")
+    return (f"plain l2 residual VQ (VQLLM-like, {group_dim}-dim groups)",
+            {**PLAIN_RVQ_CALIBRATION, "group_dim": group_dim})
 
 
 def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_LEARNERS), seeds=(0,), text=None,
@@ -49,13 +58,14 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
                  flush_interval: int = BENCH_CACHE_SETTINGS["flush_interval"],
                  num_sink_tokens: int = BENCH_CACHE_SETTINGS["num_sink_tokens"],
                  calibration: dict | None = None, layout: tuple[str, dict] = ("", {}), layout_variants: tuple = (),
-                 plain_rvq: bool = False, progress: bool = True) -> list[CacheMethod]:
+                 plain_rvq: tuple[int, ...] = (), progress: bool = True) -> list[CacheMethod]:
     """One calibration per (learner, seed) at the highest rate (lower rates are prefixes), one method per
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
     luck of one k-means run. ``layout`` (``(description, settings)``, see :func:`codec_layout`) is the codec layout
     of those rows (default: the calibration defaults); ``layout_variants`` (more such pairs) add l2 codebooks of the
-    first seed with other codec layouts, measured in the same run. ``plain_rvq`` adds plain l2 residual VQ
-    (:data:`PLAIN_RVQ_CALIBRATION`, :data:`PLAIN_RVQ_ENCODER`) calibrated with the first seed.
+    first seed with other codec layouts, measured in the same run. ``plain_rvq`` (group sizes) adds plain l2
+    residual VQ over groups of each size (:func:`plain_rvq_row`, :data:`PLAIN_RVQ_ENCODER`), calibrated with the
+    first seed.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
@@ -73,9 +83,9 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
              layout[1], {}) for learner in learners for seed in seeds]
     runs += [("l2", seeds[0], f"same codec, l2 k-means codebooks{seed_label(seeds[0])}{description}",
               "l2-rvq " + layout_family(settings), settings, {}) for description, settings in layout_variants]
-    if plain_rvq:
-        runs.append(("l2", seeds[0], PLAIN_RVQ_LABEL + seed_label(seeds[0]), PLAIN_RVQ_FAMILY, PLAIN_RVQ_CALIBRATION,
-                     PLAIN_RVQ_ENCODER))
+    for group_dim in plain_rvq:
+        label, settings = plain_rvq_row(group_dim)
+        runs.append(("l2", seeds[0], label + seed_label(seeds[0]), PLAIN_RVQ_FAMILY, settings, PLAIN_RVQ_ENCODER))
     for learner, seed, label, family, layout, encoder in runs:
         codebooks, directory, reused = ensure_codebooks(
             loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates), seed=seed,
@@ -137,7 +147,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
                      rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
-                     speed: bool = True, plain_rvq: bool = False) -> dict:
+                     speed: bool = True, plain_rvq: tuple[int, ...] = ()) -> dict:
     """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
     reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
     ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
@@ -145,9 +155,17 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
     ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
-    ``plain_rvq`` adds plain l2 residual VQ at the same rates (see :data:`PLAIN_RVQ_CALIBRATION`).
+    ``plain_rvq`` (group sizes) adds plain l2 residual VQ at the same rates (see :func:`plain_rvq_row`).
     """
-    rates = tuple(rates)
+    rates, plain_rvq = tuple(rates), tuple(plain_rvq)
+    if len(set(plain_rvq)) < len(plain_rvq):
+        raise ValueError(f"plain residual VQ group sizes must each be given once, got {list(plain_rvq)}.")
+    head_dim = model_fingerprint(loaded.model.config)["head_dim"]
+    for group_dim in plain_rvq:
+        plain_rvq_row(group_dim)  # a positive integer
+        if head_dim % group_dim:
+            raise ValueError(f"--plain-rvq {group_dim}: a group size must divide the model's head_dim ({head_dim}), "
+                             f"e.g. 8.")
     if not rates or len(set(rates)) < len(rates):
         raise ValueError(f"rates must name each bit rate at most once, got {list(rates)}.")
     for rate in rates:
@@ -169,7 +187,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
     check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants),
-                                                     *([PLAIN_RVQ_CALIBRATION] if plain_rvq else [])])
+                                                     *(plain_rvq_row(dim)[1] for dim in plain_rvq)])
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
@@ -295,7 +313,7 @@ def memory_markdown(results: dict) -> str:
 def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
                rates=GSRQ_RATES, text=None, calibration_text=None, threads: int | None = None,
                windows: int | None = None, passkey_trials: int | None = None, speed: bool = True,
-               plain_rvq: bool = False) -> str:
+               plain_rvq: tuple[int, ...] = ()) -> str:
     """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
     ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
     def words(value):
@@ -311,7 +329,7 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--windows", str(windows)], windows is not None),
         (["--passkey-trials", str(passkey_trials)], passkey_trials is not None),
         (["--no-speed"], not speed),
-        (["--plain-rvq"], plain_rvq),
+        (["--plain-rvq", *map(str, plain_rvq)], bool(plain_rvq)),
         (["--baselines", *(baselines or ())], baselines is not None),
         (["--text", *words(text or ())], text is not None),
         (["--calibration-text", *words(calibration_text or ())], calibration_text is not None),
