@@ -406,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="pass-key haystacks per (length, depth) cell (default: 2, i.e. 18 haystacks)")
     kv.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed phase")
     kv.add_argument("--plain-rvq", nargs="*", type=_positive_int, default=None, metavar="GROUP_DIM",
-                    help="add plain l2 residual VQ (VQLLM-like: codebooks shared by the heads, no transform, greedy "
-                         "encoder, RMS scale) calibrated with the first seed, at the same rates, over groups of each "
-                         "GROUP_DIM channels (default: 8)")
+                    help="add plain residual VQ (VQLLM-like: codebooks shared by the heads, no transform, greedy "
+                         "encoder, RMS scale) with each learner's codebooks, calibrated with the first seed, at the "
+                         "same rates, over groups of each GROUP_DIM channels (default: 8)")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)

@@ -200,6 +200,11 @@ def test_plain_residual_vq_rows_are_calibrated_and_encoded_plainly(runs, calibra
     assert rows[-2:] == [f"plain l2 residual VQ (VQLLM-like, 16-dim groups) {bits}-bit" for bits in (1, 2)]
     assert calibrations[-1]["group_dim"] == 16 and "--plain-rvq 8 16 --baselines" in recorded
     assert "--plain-rvq" not in runs("hf-kvcodecs bench kv --baselines --no-layout-variants")[1]
+    rows, _ = runs("hf-kvcodecs bench kv --baselines --learners gskm-principal l2 --no-layout-variants --plain-rvq")
+    assert rows[-4:] == [f"plain residual VQ, gskm-principal codebooks (VQLLM-like, 8-dim groups) {bits}-bit"
+                         for bits in (1, 2)] + plain  # the paper's swap: GSKM within the plain pipeline
+    assert [(c["learner"], c.get("transform")) for c in calibrations[-4:]] == [
+        ("gskm-principal", None), ("l2", None), ("gskm-principal", "none"), ("l2", "none")]
     loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
     plain = kv.gsrq_methods(loaded, learners=("l2",), seeds=(3, 4), plain_rvq=(16,), progress=False)[-1]
     assert plain.name == "plain l2 residual VQ (VQLLM-like, 16-dim groups), seed 3 2-bit" and plain.family == "plain-rvq"
@@ -213,7 +218,7 @@ def test_plain_residual_vq_rows_are_calibrated_and_encoded_plainly(runs, calibra
 def test_plain_residual_vq_codebooks_decode_close_to_the_full_precision_cache(tiny_model, tiny_token_stream, tmp_path):
     """The plain settings calibrate for real (no transform, shared per-head codebooks, unweighted) and the cache
     built from them generates; its logits track the full-precision cache's."""
-    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path / "plain", **kv.plain_rvq_row(8)[1])
+    directory = _tiny_codebooks(tiny_model, tiny_token_stream, tmp_path / "plain", **kv.plain_rvq_row(8)[2])
     codebooks = GSRQCodebooks.load(directory)
     assert codebooks.layout("keys") == "per_head" and codebooks.layout("values") == "per_head"
     prompt = tiny_token_stream[:200][None]

@@ -45,11 +45,14 @@ PLAIN_RVQ_ENCODER = {"gain": "rms", "beam_width": 1}
 PLAIN_RVQ_GROUP_DIMS = (8,)  # `--plain-rvq` without a group size: this codec's default groups
 
 
-def plain_rvq_row(group_dim: int) -> tuple[str, dict]:
-    """``(row label, calibration settings)`` of plain l2 residual VQ over ``group_dim``-dim groups."""
+def plain_rvq_row(group_dim: int, learner: str = "l2") -> tuple[str, str, dict]:
+    """``(row label, family label, calibration settings)`` of plain residual VQ over ``group_dim``-dim groups with
+    ``learner``'s codebooks (VQLLM's is l2 k-means; the GSRQ paper swaps in GSKM within that pipeline)."""
     if isinstance(group_dim, bool) or not isinstance(group_dim, int) or group_dim < 1:
         raise ValueError(f"plain residual VQ group sizes must be positive integers, got {group_dim!r}.")
-    return (f"plain l2 residual VQ (VQLLM-like, {group_dim}-dim groups)",
+    learned = "l2 residual VQ" if learner == "l2" else f"residual VQ, {learner} codebooks"
+    return (f"plain {learned} (VQLLM-like, {group_dim}-dim groups)",
+            PLAIN_RVQ_FAMILY + ("" if learner == "l2" else f" ({learner})"),
             {**PLAIN_RVQ_CALIBRATION, "group_dim": group_dim})
 
 
@@ -64,8 +67,8 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
     luck of one k-means run. ``layout`` (``(description, settings)``, see :func:`codec_layout`) is the codec layout
     of those rows (default: the calibration defaults); ``layout_variants`` (more such pairs) add l2 codebooks of the
     first seed with other codec layouts, measured in the same run. ``plain_rvq`` (group sizes) adds plain l2
-    residual VQ over groups of each size (:func:`plain_rvq_row`, :data:`PLAIN_RVQ_ENCODER`), calibrated with the
-    first seed.
+    residual VQ over groups of each size (:func:`plain_rvq_row`, :data:`PLAIN_RVQ_ENCODER`) with each learner's
+    codebooks, calibrated with the first seed.
 
     The model is put on the code-reading attention, as ``generate(cache_implementation="gsrq")`` does, so GSRQ is
     measured on the path users get (the stand-in passes every other cache to the original attention unchanged).
@@ -83,9 +86,10 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
              layout[1], {}) for learner in learners for seed in seeds]
     runs += [("l2", seeds[0], f"same codec, l2 k-means codebooks{seed_label(seeds[0])}{description}",
               "l2-rvq " + layout_family(settings), settings, {}) for description, settings in layout_variants]
-    for group_dim in plain_rvq:
-        label, settings = plain_rvq_row(group_dim)
-        runs.append(("l2", seeds[0], label + seed_label(seeds[0]), PLAIN_RVQ_FAMILY, settings, PLAIN_RVQ_ENCODER))
+    for learner in learners:
+        for group_dim in plain_rvq:
+            label, family, settings = plain_rvq_row(group_dim, learner)
+            runs.append((learner, seeds[0], label + seed_label(seeds[0]), family, settings, PLAIN_RVQ_ENCODER))
     for learner, seed, label, family, layout, encoder in runs:
         codebooks, directory, reused = ensure_codebooks(
             loaded, store=store, text=text, progress=progress, learner=learner, bits=max(rates), seed=seed,
@@ -155,7 +159,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
     ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
-    ``plain_rvq`` (group sizes) adds plain l2 residual VQ at the same rates (see :func:`plain_rvq_row`).
+    ``plain_rvq`` (group sizes) adds plain residual VQ at the same rates, per learner (see :func:`plain_rvq_row`).
     """
     rates, plain_rvq = tuple(rates), tuple(plain_rvq)
     if len(set(plain_rvq)) < len(plain_rvq):
@@ -187,7 +191,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
     check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants),
-                                                     *(plain_rvq_row(dim)[1] for dim in plain_rvq)])
+                                                     *(plain_rvq_row(dim)[2] for dim in plain_rvq)])
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
