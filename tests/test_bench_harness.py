@@ -320,6 +320,8 @@ def test_seed_spread_summarises_methods_measured_with_several_calibration_seeds(
     rows = [line for line in lines if line.startswith("| gsrq")]
     assert rows == ["| gsrq | gskm-principal | 2 | 0, 1 | 0.09 (0.08 – 0.1) | +10.0 (+8.0 – +12.0) | 5/18, 9/18 |"]
     assert _seed_spread([entry(0, 0.1, 1.0, 1)]) == []  # one seed: nothing to summarise
+    # two configurations of one family calibrated with the same seed are not a spread over seeds
+    assert _seed_spread([entry(0, 0.1, 1.0, 1), entry(0, 0.2, 2.0, 2)]) == []
 
 
 def test_paired_comparison_against_shipped_4_bit_caches(results, tmp_path):

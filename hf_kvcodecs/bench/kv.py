@@ -52,7 +52,7 @@ def plain_rvq_row(group_dim: int, learner: str = "l2") -> tuple[str, str, dict]:
         raise ValueError(f"plain residual VQ group sizes must be positive integers, got {group_dim!r}.")
     learned = "l2 residual VQ" if learner == "l2" else f"residual VQ, {learner} codebooks"
     return (f"plain {learned} (VQLLM-like, {group_dim}-dim groups)",
-            PLAIN_RVQ_FAMILY + ("" if learner == "l2" else f" ({learner})"),
+            PLAIN_RVQ_FAMILY + (f" ({group_dim}-dim groups)" if learner == "l2" else f" ({learner}, {group_dim}-dim groups)"),
             {**PLAIN_RVQ_CALIBRATION, "group_dim": group_dim})
 
 

@@ -163,7 +163,9 @@ def _seed_spread(entries: list[dict]) -> list[str]:
         extra = entry.get("extra") or {}
         if "seed" in extra and "perplexity" in entry:
             groups.setdefault((entry["family"], extra.get("learner"), extra.get("bits")), []).append(entry)
-    groups = {key: members for key, members in groups.items() if len(members) > 1}
+    # rows of one family, learner and rate that share a seed differ in something else: not a spread over seeds
+    groups = {key: members for key, members in groups.items() if len(members) > 1
+              and len({member["extra"]["seed"] for member in members}) == len(members)}
     if not groups:
         return []
     lines = ["", "## Spread over calibration seeds", "",
