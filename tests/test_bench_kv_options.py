@@ -207,7 +207,8 @@ def test_plain_residual_vq_rows_are_calibrated_and_encoded_plainly(runs, calibra
         ("gskm-principal", None), ("l2", None), ("gskm-principal", "none"), ("l2", "none")]
     loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
     plain = kv.gsrq_methods(loaded, learners=("l2",), seeds=(3, 4), plain_rvq=(16,), progress=False)[-1]
-    assert plain.name == "plain l2 residual VQ (VQLLM-like, 16-dim groups), seed 3 2-bit" and plain.family == "plain-rvq (16-dim groups)"
+    assert plain.name == "plain l2 residual VQ (VQLLM-like, 16-dim groups), seed 3 2-bit"
+    assert plain.family == "plain-rvq (16-dim groups)"
     assert plain.extra["encoder"] == {"gain": "rms", "beam_width": 1} and plain.extra["seed"] == 3
     cache = plain.make_cache(tiny_model)
     assert (cache.layers[0].gain, cache.layers[0].beam_width) == ("rms", 1)

@@ -35,10 +35,10 @@ BENCH_CACHE_SETTINGS = dict(window_length=32, flush_interval=32, num_sink_tokens
 
 # Plain residual VQ as VQLLM does it, the baseline the GSRQ paper measures against: l2 k-means codebooks shared by a
 # layer's heads, fitted unweighted on RMS-normalized head vectors without a decorrelating transform, every head vector
-# coded on its own, the nearest codeword stage by stage (greedy), and the normalizing RMS kept as the scale. It
-# differs from VQLLM in the group size and codebook size (8-dim groups, 256 words, as every row here), contiguous
-# rather than interleaved key channel groups, the stages allocated to the groups by error, and no fine-tuning.
-# Its group size is a choice of the run (VQLLM codes 32- or 64-dim sub-vectors, with larger codebooks than here).
+# coded on its own, the nearest codeword stage by stage (greedy), and the normalizing RMS kept as the scale. The
+# group size is the run's choice. It differs from VQLLM in the codebook size (256 words, as every row here; VQLLM's
+# 1024-2048 words code 32- or 64-dim sub-vectors), contiguous rather than interleaved key channel groups, the stages
+# allocated to the groups by error, and no fine-tuning.
 PLAIN_RVQ_FAMILY = "plain-rvq"
 PLAIN_RVQ_CALIBRATION = {"transform": "none", "key_layout": "per_head", "value_layout": "per_head", "weighted": False}
 PLAIN_RVQ_ENCODER = {"gain": "rms", "beam_width": 1}
@@ -50,9 +50,10 @@ def plain_rvq_row(group_dim: int, learner: str = "l2") -> tuple[str, str, dict]:
     ``learner``'s codebooks (VQLLM's is l2 k-means; the GSRQ paper swaps in GSKM within that pipeline)."""
     if isinstance(group_dim, bool) or not isinstance(group_dim, int) or group_dim < 1:
         raise ValueError(f"plain residual VQ group sizes must be positive integers, got {group_dim!r}.")
-    learned = "l2 residual VQ" if learner == "l2" else f"residual VQ, {learner} codebooks"
+    learned, family_learner = ("l2 residual VQ", "") if learner == "l2" else (f"residual VQ, {learner} codebooks",
+                                                                               f"{learner}, ")
     return (f"plain {learned} (VQLLM-like, {group_dim}-dim groups)",
-            PLAIN_RVQ_FAMILY + (f" ({group_dim}-dim groups)" if learner == "l2" else f" ({learner}, {group_dim}-dim groups)"),
+            f"{PLAIN_RVQ_FAMILY} ({family_learner}{group_dim}-dim groups)",
             {**PLAIN_RVQ_CALIBRATION, "group_dim": group_dim})
 
 
@@ -66,7 +67,7 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
     (learner, seed, rate). Several calibration seeds show how much of a difference between learners is just the
     luck of one k-means run. ``layout`` (``(description, settings)``, see :func:`codec_layout`) is the codec layout
     of those rows (default: the calibration defaults); ``layout_variants`` (more such pairs) add l2 codebooks of the
-    first seed with other codec layouts, measured in the same run. ``plain_rvq`` (group sizes) adds plain l2
+    first seed with other codec layouts, measured in the same run. ``plain_rvq`` (group sizes) adds plain
     residual VQ over groups of each size (:func:`plain_rvq_row`, :data:`PLAIN_RVQ_ENCODER`) with each learner's
     codebooks, calibrated with the first seed.
 
