@@ -108,7 +108,7 @@ def cmd_bench_kv(args) -> int:
                                layout_variants=args.layout_variants, baselines=args.baselines,
                                rates=args.bits or GSRQ_RATES, windows=args.windows,
                                passkey_trials=args.passkey_trials, speed=args.speed,
-                               plain_rvq=_plain_rvq_group_dims(args.plain_rvq))
+                               plain_rvq=_plain_rvq_group_dims(args.plain_rvq), group_dim=args.group_dim)
     print(Path(results["files"]["markdown"]).read_text())
     print("\nwritten:", ", ".join(results["files"].values()))
     return 0
@@ -394,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
     kv.add_argument("--value-layout", default=None, choices=list(LAYOUTS["values"]),
                     help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
+    kv.add_argument("--group-dim", type=_positive_int, default=None,
+                    help="channels per residual VQ group of the GSRQ rows (default: 8; must divide head_dim)")
     kv.add_argument("--no-layout-variants", dest="layout_variants", action="store_false",
                     help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
                          "use the default layout)")

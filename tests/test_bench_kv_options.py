@@ -133,6 +133,17 @@ def test_bit_rates_can_be_chosen_and_are_recorded(runs, calibrations):
     assert rows[1:] == [f"same codec, l2 k-means codebooks, keys joint over heads {bits}-bit" for bits in ("0.8", "2")]
 
 
+def test_the_group_size_of_the_gsrq_rows_can_be_chosen(runs, calibrations):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines --learners l2 --group-dim 16")
+    assert rows == ["fp32 DynamicCache"] + [f"same codec, l2 k-means codebooks, 16-dim groups {bits}-bit" for bits in (1, 2)]
+    assert calibrations[-1] == {"learner": "l2", "bits": 2.0, "seed": 0, "group_dim": 16}  # and no layout variants
+    assert "--group-dim 16" in recorded and runs(recorded) == (rows, recorded)
+    assert kv.codec_layout(group_dim=8) == ("", {})  # the default, spelled out
+    assert kv.codec_layout("conditional_heads", group_dim=16) == (", keys conditional on earlier heads, 16-dim groups",
+                                                                  {"key_layout": "conditional_heads", "group_dim": 16})
+    assert kv.layout_family({"group_dim": 16, "key_layout": "per_head"}) == "(groups 16, keys per-head)"
+
+
 def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
     with pytest.raises(ValueError, match="at most once"):
         runs("hf-kvcodecs bench kv --learners l2 l2")
@@ -147,12 +158,14 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
         runs("hf-kvcodecs bench kv --bits 0.7 --key-layout joint_heads")
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
-    with pytest.raises(ValueError, match=r"--plain-rvq 6: a group size must divide the model's head_dim \(16\)"):
+    with pytest.raises(ValueError, match=r"--plain-rvq 6: a group size must be .* divides the model's head_dim \(16\)"):
         runs("hf-kvcodecs bench kv --plain-rvq 8 6")
     with pytest.raises(ValueError, match="given once"):
         runs("hf-kvcodecs bench kv --plain-rvq 8 8")
     with pytest.raises(SystemExit):  # argparse: not a positive integer
         runs("hf-kvcodecs bench kv --plain-rvq 0")
+    with pytest.raises(ValueError, match=r"--group-dim 3: a group size must be"):
+        runs("hf-kvcodecs bench kv --group-dim 3")
     assert calibrations == []
 
 

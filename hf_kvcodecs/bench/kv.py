@@ -119,7 +119,8 @@ def gsrq_methods(loaded: LoadedModel, *, rates=GSRQ_RATES, learners=tuple(GSRQ_L
 
 def layout_family(layout: dict) -> str:
     """A short family label for codebooks calibrated with non-default layouts."""
-    return "(" + ", ".join(f"{name.split('_')[0]}s {value.replace('_', '-')}" for name, value in sorted(layout.items())) + ")"
+    return "(" + ", ".join(f"{name.split('_')[0]}s {str(value).replace('_', '-')}"
+                           for name, value in sorted(layout.items())) + ")"
 
 
 # The previous defaults (values coded jointly over the heads without the keys' prediction; keys per head with codebooks
@@ -136,8 +137,10 @@ _LAYOUT_WORDS = {"per_head": "per head", "joint_heads": "joint over heads", "per
                  "given_keys": "given the keys"}
 
 
-def codec_layout(key_layout: str | None = None, value_layout: str | None = None) -> tuple[str, dict]:
-    """``(label suffix, calibration settings)`` for rows calibrated with these layouts (``None``: the default)."""
+def codec_layout(key_layout: str | None = None, value_layout: str | None = None,
+                 group_dim: int | None = None) -> tuple[str, dict]:
+    """``(label suffix, calibration settings)`` for rows calibrated with these layouts and ``group_dim``-dim groups
+    (``None``: the default)."""
     defaults = dict(zip(("keys", "values"), resolve_layouts()))  # this benchmark codes keys before RoPE
     chosen = dict(zip(("keys", "values"), resolve_layouts("pre_rope", key_layout, value_layout)))
     for kind, value in chosen.items():
@@ -145,14 +148,18 @@ def codec_layout(key_layout: str | None = None, value_layout: str | None = None)
             raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {value!r}.")
     changed = {kind: value for kind, value in chosen.items() if value != defaults[kind]}
     words = [f"{kind} {_LAYOUT_WORDS[value]}" for kind, value in changed.items()]
-    return "".join(", " + word for word in words), {f"{kind[:-1]}_layout": value for kind, value in changed.items()}
+    settings = {f"{kind[:-1]}_layout": value for kind, value in changed.items()}
+    if group_dim is not None and group_dim != calibration_defaults()["group_dim"]:
+        words.append(f"{group_dim}-dim groups")
+        settings["group_dim"] = group_dim
+    return "".join(", " + word for word in words), settings
 
 
 def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibration_text=None, quick: bool = False,
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
                      rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
-                     speed: bool = True, plain_rvq: tuple[int, ...] = ()) -> dict:
+                     speed: bool = True, plain_rvq: tuple[int, ...] = (), group_dim: int | None = None) -> dict:
     """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
     reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
     ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
@@ -161,16 +168,17 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
     ``plain_rvq`` (group sizes) adds plain residual VQ at the same rates, per learner (see :func:`plain_rvq_row`).
+    ``group_dim`` sets the GSRQ rows' group size (default: the calibration default, 8).
     """
     rates, plain_rvq = tuple(rates), tuple(plain_rvq)
     if len(set(plain_rvq)) < len(plain_rvq):
         raise ValueError(f"plain residual VQ group sizes must each be given once, got {list(plain_rvq)}.")
     head_dim = model_fingerprint(loaded.model.config)["head_dim"]
-    for group_dim in plain_rvq:
-        plain_rvq_row(group_dim)  # a positive integer
-        if head_dim % group_dim:
-            raise ValueError(f"--plain-rvq {group_dim}: a group size must divide the model's head_dim ({head_dim}), "
-                             f"e.g. 8.")
+    sizes = [*(("--plain-rvq", size) for size in plain_rvq), *([("--group-dim", group_dim)] if group_dim is not None else [])]
+    for option, size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or head_dim % size:
+            raise ValueError(f"{option} {size}: a group size must be a positive integer that divides the model's "
+                             f"head_dim ({head_dim}), e.g. 8.")
     if not rates or len(set(rates)) < len(rates):
         raise ValueError(f"rates must name each bit rate at most once, got {list(rates)}.")
     for rate in rates:
@@ -188,7 +196,7 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
         protocol["n_windows" if name == "windows" else name] = value
     if not speed:
         protocol["speed_contexts"] = ()
-    layout = codec_layout(key_layout, value_layout)
+    layout = codec_layout(key_layout, value_layout, group_dim)
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
     check_rates_offered(loaded.model.config, rates, [layout[1], *(settings for _, settings in variants),
@@ -329,7 +337,7 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--seeds", *map(str, seeds)], tuple(seeds) != (0,)),
         (["--learners", *learners], tuple(learners) != tuple(GSRQ_LEARNERS)),
         (["--bits", *(f"{rate:g}" for rate in rates)], tuple(rates) != GSRQ_RATES),
-        *(([f"--{name.replace('_', '-')}", value], True) for name, value in layout.items()),
+        *(([f"--{name.replace('_', '-')}", str(value)], True) for name, value in layout.items()),
         (["--no-layout-variants"], not layout_variants and not layout),
         (["--windows", str(windows)], windows is not None),
         (["--passkey-trials", str(passkey_trials)], passkey_trials is not None),
