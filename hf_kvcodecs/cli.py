@@ -136,7 +136,8 @@ def _decode_command(args) -> str:
                (["--contexts", *map(str, args.contexts)], list(args.contexts) != [1024, 4096, 8192]),
                (["--steps", str(args.steps)], args.steps != 132), (["--repeats", str(args.repeats)], args.repeats != 2),
                (["--no-post-rope"], args.no_post_rope), (["--text", *(args.text or ())], bool(args.text)),
-               (["--only", *(args.only or ())], bool(args.only))]
+               (["--only", *(args.only or ())], bool(args.only)),
+               (["--group-dim", *map(str, args.group_dim or ())], bool(args.group_dim))]
     return shlex.join(words + [word for option, given in options if given for word in option])
 
 
@@ -145,7 +146,8 @@ def cmd_bench_decode(args) -> int:
 
     loaded = _load(args)
     results = run_decode_benchmark(loaded, contexts=tuple(args.contexts), steps=args.steps, repeats=args.repeats,
-                                   text=args.text, include_post_rope=not args.no_post_rope, only=args.only)
+                                   text=args.text, include_post_rope=not args.no_post_rope, only=args.only,
+                                   group_dims=tuple(args.group_dim or ()))
     results["command"] = _decode_command(args)
     _write_results(Path(args.out), "decode", results, decode_markdown(results))
     plot_decode_speed(results, Path(args.out) / "decode.png")
@@ -453,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure only the rows whose names contain one of these (the fp32 reference always "
                              "runs), e.g. --only 'quanto 4' 'values given the keys'; a TEXT ending in $ must end the "
                              "name ('rebuilt from codes$': the default code-reading row, not its layout variants)")
+    decode.add_argument("--group-dim", type=_positive_int, nargs="+", default=None, metavar="N",
+                        help="the GSRQ rows' group size(s), each a full set of rows side by side (default: 8, the "
+                             "calibration default); a size other than 8 is named in the row labels, e.g. "
+                             "--group-dim 8 32 --only 'rebuilt from codes'")
     decode.set_defaults(func=cmd_bench_decode)
     return parser
 

@@ -4,6 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from hf_kvcodecs.bench.decode import _peak_transient_bytes
@@ -82,6 +83,36 @@ def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny
     if decode.QUANTO_4BIT in by_name:  # quanto installed: it also runs on the bf16 copy, for same-model ratios
         assert by_name[decode.QUANTO_4BIT + decode.BF16_SUFFIX].precision == "bf16"
     assert by_name["GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes" + decode.BF16_SUFFIX].precision == "bf16"
+
+
+def test_group_dims_add_a_labelled_set_of_rows_per_size_and_reject_sizes_the_model_cannot_use(
+        monkeypatch, tiny_model, tiny_codebooks_dir):
+    from hf_kvcodecs import GSRQCodebooks
+    from hf_kvcodecs.bench import decode
+    from hf_kvcodecs.models import LoadedModel
+
+    calibrated, codebooks = [], GSRQCodebooks.load(tiny_codebooks_dir)
+
+    def fake_calibration(loaded, **settings):
+        calibrated.append(settings)
+        return codebooks, tiny_codebooks_dir, True
+
+    monkeypatch.setattr(decode, "ensure_codebooks", fake_calibration)
+    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    default = "GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes"
+    methods = decode.decode_methods(loaded, only=["rebuilt from codes$", "rebuilt from codes, 16-dim groups$"],
+                                    group_dims=(8, 16), progress=False)
+    assert [m.name for m in methods] == [decode.REFERENCE, default, default + ", 16-dim groups"]
+    assert [c.get("group_dim") for c in calibrated] == [None, 16]  # the default size names the default codebooks
+    assert [m.extra["group_dim"] for m in methods[1:]] == [8, 16]
+    calibrated.clear()
+    only_16 = decode.decode_methods(loaded, only=["greedy encoder"], group_dims=(16,), progress=False)
+    assert [m.name for m in only_16] == [decode.REFERENCE, default + ", greedy encoder, 16-dim groups"]
+    head_dim = tiny_model.config.head_dim
+    for sizes, message in (((8, 8), "given once"), ((head_dim + 1,), "divides the model's head_dim")):
+        with pytest.raises(ValueError, match=message):
+            decode.decode_methods(loaded, group_dims=sizes, progress=False)
+    assert [c.get("group_dim") for c in calibrated] == [16]  # nothing calibrated before the bad sizes were refused
 
 
 def test_same_model_table_compares_each_row_with_the_caches_that_ran_on_its_copy_of_the_model():

@@ -34,13 +34,14 @@ from tqdm.auto import tqdm
 
 from ..cache import GSRQCache
 from ..cache.rope import model_rope_inv_freq
-from ..calibration.store import ensure_codebooks
+from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import DEFAULT_BEAM_WIDTH
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
-from .harness import _decode_step, _environment, _perplexity_metrics, _prefill, full_precision_method, shipped_baselines
+from .harness import (_decode_step, _environment, _perplexity_metrics, _prefill, check_group_sizes, full_precision_method,
+                      shipped_baselines)
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
@@ -80,11 +81,16 @@ class DecodeMethod:
 
 
 def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_text=None, store=None,
-                   progress: bool = True, include_post_rope: bool = True, only=None) -> list[DecodeMethod]:
+                   progress: bool = True, include_post_rope: bool = True, only=None,
+                   group_dims: tuple[int, ...] = ()) -> list[DecodeMethod]:
     """Every row of ``bench decode``; with ``only`` (substrings; one ending in ``$`` must end the name), the rows
     whose names contain one of them, plus the fp32 reference the ratios need (codebooks are calibrated only for rows
-    that stay)."""
+    that stay). ``group_dims``: the GSRQ rows' group sizes, each a full set of rows (default: the calibration
+    default's alone; a size other than the default names itself in the row labels, e.g. ", 32-dim groups")."""
     model = loaded.model
+    default_group_dim = calibration_defaults()["group_dim"]
+    group_dims = tuple(group_dims) or (default_group_dim,)
+    check_group_sizes(model.config, [("--group-dim", dim) for dim in group_dims])
 
     def wanted(name: str) -> bool:
         return only is None or name == REFERENCE or any(
@@ -107,10 +113,14 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
     calibrations += [("pre_rope", layout, description) for description, layout in LAYOUT_VARIANTS]
     if include_post_rope:
         calibrations.append(("post_rope", {}, ""))
+    calibrations = [(key_space, layout if dim == default_group_dim else {**layout, "group_dim": dim},
+                     description + ("" if dim == default_group_dim else f", {dim}-dim groups"))
+                    for dim in group_dims for key_space, layout, description in calibrations]
     for key_space, layout, layout_description in calibrations:
-        paths = ("dequantize", "codes") if key_space == "pre_rope" and not layout else ("codes",)
+        is_default_layout = not (layout.keys() - {"group_dim"})
+        paths = ("dequantize", "codes") if key_space == "pre_rope" and is_default_layout else ("codes",)
         variants = [(path, DEFAULT_BEAM_WIDTH, "fp32") for path in paths]
-        if key_space == "pre_rope" and not layout:
+        if key_space == "pre_rope" and is_default_layout:
             variants.append(("codes", 1, "fp32"))  # what the encoder's beam search costs at prefill and buys in quality
             # the same cache on the bf16 copy of the model: a same-dtype comparison with bf16 DynamicCache
             variants.append(("codes", DEFAULT_BEAM_WIDTH, "bf16"))
@@ -138,6 +148,7 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
                 precision=precision, expected_path=path,
                 extra={"codebooks": str(directory), "key_space": key_space, "attention": path, "beam_width": beam_width,
                        "key_layout": codebooks.layout("keys"), "value_layout": codebooks.layout("values"),
+                       "group_dim": layout.get("group_dim", default_group_dim),
                        "holdout_relative_mse": codebooks.calibration["holdout_mean"]},
             ))
     return methods
@@ -145,14 +156,15 @@ def decode_methods(loaded: LoadedModel, *, bits: float = GSRQ_BITS, calibration_
 
 def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps: int = DECODE_STEPS, repeats: int = 2,
                          memory_steps: int = 8, text=None, calibration_text=None, store=None,
-                         include_post_rope: bool = True, progress: bool = True, only=None) -> dict:
+                         include_post_rope: bool = True, progress: bool = True, only=None,
+                         group_dims: tuple[int, ...] = ()) -> dict:
     started = time.perf_counter()
     token_ids = tokenize_corpus(loaded.tokenizer, corpus := load_corpus(text, default=EVALUATION_DEFAULT))
     longest = max(contexts) + max(steps, memory_steps)
     if token_ids.numel() < longest:
         raise ValueError(f"The evaluation text has {token_ids.numel()} tokens; {longest} are needed for these contexts.")
     methods = decode_methods(loaded, calibration_text=calibration_text, store=store, progress=progress,
-                             include_post_rope=include_post_rope, only=only)
+                             include_post_rope=include_post_rope, only=only, group_dims=group_dims)
     models = {"fp32": loaded.model}
     enable_code_attention(loaded.model)  # GSRQ caches choose their path; every other cache is unaffected
     if any(m.precision == "bf16" for m in methods):

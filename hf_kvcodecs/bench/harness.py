@@ -64,6 +64,20 @@ class CacheMethod:
 _SHORT_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def check_group_sizes(config, sizes: Sequence[tuple[str, int]]) -> None:
+    """Raise a clear error unless each ``(option, size)`` names a codec group size this model can use: a positive
+    integer that divides its head_dim, each size given once per option."""
+    head_dim = model_fingerprint(config)["head_dim"]
+    for option in {option for option, _ in sizes}:
+        given = [size for name, size in sizes if name == option]
+        if len(set(given)) < len(given):
+            raise ValueError(f"{option}: each group size must be given once, got {given}.")
+    for option, size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or head_dim % size:
+            raise ValueError(f"{option} {size}: a group size must be a positive integer that divides the model's "
+                             f"head_dim ({head_dim}), e.g. 8.")
+
+
 def full_precision_method(model: PreTrainedModel) -> CacheMethod:
     """The reference: transformers' ``DynamicCache`` at the model's own precision."""
     dtype = model.dtype

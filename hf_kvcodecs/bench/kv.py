@@ -17,7 +17,7 @@ from ..calibration.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
-from .harness import CacheMethod, evaluate_methods, shipped_baselines
+from .harness import CacheMethod, check_group_sizes, evaluate_methods, shipped_baselines
 from .report import write_reports
 
 GSRQ_RATES = (1.0, 2.0)  # bits per KV element, scales included
@@ -171,14 +171,8 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     ``group_dim`` sets the GSRQ rows' group size (default: the calibration default, 8).
     """
     rates, plain_rvq = tuple(rates), tuple(plain_rvq)
-    if len(set(plain_rvq)) < len(plain_rvq):
-        raise ValueError(f"plain residual VQ group sizes must each be given once, got {list(plain_rvq)}.")
-    head_dim = model_fingerprint(loaded.model.config)["head_dim"]
-    sizes = [*(("--plain-rvq", size) for size in plain_rvq), *([("--group-dim", group_dim)] if group_dim is not None else [])]
-    for option, size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or head_dim % size:
-            raise ValueError(f"{option} {size}: a group size must be a positive integer that divides the model's "
-                             f"head_dim ({head_dim}), e.g. 8.")
+    check_group_sizes(loaded.model.config, [*(("--plain-rvq", size) for size in plain_rvq),
+                                            *([("--group-dim", group_dim)] if group_dim is not None else [])])
     if not rates or len(set(rates)) < len(rates):
         raise ValueError(f"rates must name each bit rate at most once, got {list(rates)}.")
     for rate in rates:
