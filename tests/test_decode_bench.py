@@ -135,3 +135,16 @@ def test_same_model_table_compares_each_row_with_the_caches_that_ran_on_its_copy
     assert ratios["GSRQ" + BF16_SUFFIX][("quanto", 4096)] is None  # quanto did not run on the bf16 copy here
     table = decode_markdown(results)
     assert "| GSRQ, bf16 model | bf16 | 2.00× | – |" in table and "| GSRQ | fp32 | 1.25× | 2.00× |" in table
+
+
+def test_decode_command_records_the_group_sizes_and_the_parser_refuses_a_non_positive_one(capsys):
+    from hf_kvcodecs.cli import _decode_command, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "decode", "--group-dim", "8", "32", "--only", "rebuilt from codes$"])
+    assert args.group_dim == [8, 32]
+    assert _decode_command(args).endswith("--only 'rebuilt from codes$' --group-dim 8 32")
+    assert "--group-dim" not in _decode_command(parser.parse_args(["bench", "decode"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "decode", "--group-dim", "0"])
+    assert "expected a positive integer" in capsys.readouterr().err
