@@ -54,7 +54,9 @@ def test_decode_table_reports_prefill_time_next_to_decode_speed():
     assert "16.0 (0.80×)" in table
 
 
-def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny_model, tiny_codebooks_dir):
+@pytest.fixture
+def stored_tiny_codebooks(monkeypatch, tiny_model, tiny_codebooks_dir):
+    """``(loaded tiny model, settings of every calibration asked for)``: each calibration returns the tiny codebooks."""
     from hf_kvcodecs import GSRQCodebooks
     from hf_kvcodecs.bench import decode
     from hf_kvcodecs.models import LoadedModel
@@ -66,7 +68,13 @@ def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny
         return codebooks, tiny_codebooks_dir, True
 
     monkeypatch.setattr(decode, "ensure_codebooks", fake_calibration)
-    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    return LoadedModel(tiny_model, None, "tiny", "tiny random model"), calibrated
+
+
+def test_only_keeps_the_named_rows_and_calibrates_nothing_else(stored_tiny_codebooks):
+    from hf_kvcodecs.bench import decode
+
+    loaded, calibrated = stored_tiny_codebooks
     names = [m.name for m in decode.decode_methods(loaded, only=["values given the keys"], progress=False)]
     assert names == [decode.REFERENCE, "GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes, keys "
                      "conditional on earlier heads, values given the keys"]
@@ -86,19 +94,10 @@ def test_only_keeps_the_named_rows_and_calibrates_nothing_else(monkeypatch, tiny
 
 
 def test_group_dims_add_a_labelled_set_of_rows_per_size_and_reject_sizes_the_model_cannot_use(
-        monkeypatch, tiny_model, tiny_codebooks_dir):
-    from hf_kvcodecs import GSRQCodebooks
+        stored_tiny_codebooks, tiny_model):
     from hf_kvcodecs.bench import decode
-    from hf_kvcodecs.models import LoadedModel
 
-    calibrated, codebooks = [], GSRQCodebooks.load(tiny_codebooks_dir)
-
-    def fake_calibration(loaded, **settings):
-        calibrated.append(settings)
-        return codebooks, tiny_codebooks_dir, True
-
-    monkeypatch.setattr(decode, "ensure_codebooks", fake_calibration)
-    loaded = LoadedModel(tiny_model, None, "tiny", "tiny random model")
+    loaded, calibrated = stored_tiny_codebooks
     default = "GSRQ 2-bit, keys pre-rope, code-reading, keys rebuilt from codes"
     methods = decode.decode_methods(loaded, only=["rebuilt from codes$", "rebuilt from codes, 16-dim groups$"],
                                     group_dims=(8, 16), progress=False)
