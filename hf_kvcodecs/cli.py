@@ -13,6 +13,7 @@ from pathlib import Path
 from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .bench.harness import BASELINE_IDS
 from .bench.kv import GSRQ_LEARNERS, GSRQ_RATES
+from .calibration.store import calibration_defaults
 from .codecs.gsrq_codebooks import LAYOUTS
 from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, POST_ROPE_KEY_LAYOUT, POST_ROPE_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
@@ -325,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-kvcodecs", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     commands = parser.add_subparsers(dest="command", required=True)
+    default_group_dim = calibration_defaults()["group_dim"]
 
     demo = commands.add_parser("demo", help="calibrate (or reuse) codebooks, generate with fp and GSRQ caches, compare")
     _add_model_arguments(demo)
@@ -358,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "decoded keys leaves (on CPU each decoding step also sums the attention weights per "
                                 "key codeword for the prediction); 'joint_heads': one code per token for all heads "
                                 "(higher error, a little faster); 'per_head': one code per head vector")
-    calibrate.add_argument("--group-dim", type=int, default=8)
+    calibrate.add_argument("--group-dim", type=_positive_int, default=default_group_dim,
+                           help=f"channels per residual VQ group (default: {default_group_dim}; must divide head_dim)")
     calibrate.add_argument("--scale-bits", type=int, default=8, choices=[8, 16],
                            help="per-vector scale: 8-bit log-uniform levels (default) or fp16")
     calibrate.add_argument("--windows", type=int, default=32, help="512-token windows of calibration text")
@@ -397,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--value-layout", default=None, choices=list(LAYOUTS["values"]),
                     help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
     kv.add_argument("--group-dim", type=_positive_int, default=None,
-                    help="channels per residual VQ group of the GSRQ rows (default: 8; must divide head_dim)")
+                    help=f"channels per residual VQ group of the GSRQ rows (default: {default_group_dim}; must divide "
+                         "head_dim)")
     kv.add_argument("--no-layout-variants", dest="layout_variants", action="store_false",
                     help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
                          "use the default layout)")
@@ -412,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--plain-rvq", nargs="*", type=_positive_int, default=None, metavar="GROUP_DIM",
                     help="add plain residual VQ (VQLLM-like: codebooks shared by the heads, no transform, greedy "
                          "encoder, RMS scale) with each learner's codebooks, calibrated with the first seed, at the "
-                         "same rates, over groups of each GROUP_DIM channels (default: 8)")
+                         f"same rates, over groups of each GROUP_DIM channels (default: {default_group_dim})")
     kv.set_defaults(func=cmd_bench_kv)
     memory = bench.add_parser("memory", help="bits per element held by each cache at several context lengths")
     _add_model_arguments(memory)
@@ -456,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "runs), e.g. --only 'quanto 4' 'values given the keys'; a TEXT ending in $ must end the "
                              "name ('rebuilt from codes$': the default code-reading row, not its layout variants)")
     decode.add_argument("--group-dim", type=_positive_int, nargs="+", default=None, metavar="N",
-                        help="the GSRQ rows' group size(s), each a full set of rows side by side (default: 8, the "
-                             "calibration default); a size other than 8 is named in the row labels, e.g. "
+                        help=f"the GSRQ rows' group size(s), each a full set of rows side by side (default: "
+                             f"{default_group_dim}, the calibration default); another size is named in the row "
+                             "labels, e.g. "
                              "--group-dim 8 32 --only 'rebuilt from codes'")
     decode.set_defaults(func=cmd_bench_decode)
     return parser

@@ -147,3 +147,15 @@ def test_decode_command_records_the_group_sizes_and_the_parser_refuses_a_non_pos
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "decode", "--group-dim", "0"])
     assert "expected a positive integer" in capsys.readouterr().err
+
+
+def test_calibrate_group_dim_defaults_to_the_fit_default_and_refuses_a_non_positive_one(capsys):
+    from hf_kvcodecs.calibration.store import calibration_defaults
+    from hf_kvcodecs.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["calibrate", "--out", "x"]).group_dim == calibration_defaults()["group_dim"]
+    assert parser.parse_args(["calibrate", "--out", "x", "--group-dim", "32"]).group_dim == 32
+    with pytest.raises(SystemExit):
+        parser.parse_args(["calibrate", "--out", "x", "--group-dim", "-8"])
+    assert "expected a positive integer" in capsys.readouterr().err

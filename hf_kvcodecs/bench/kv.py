@@ -42,7 +42,7 @@ BENCH_CACHE_SETTINGS = dict(window_length=32, flush_interval=32, num_sink_tokens
 PLAIN_RVQ_FAMILY = "plain-rvq"
 PLAIN_RVQ_CALIBRATION = {"transform": "none", "key_layout": "per_head", "value_layout": "per_head", "weighted": False}
 PLAIN_RVQ_ENCODER = {"gain": "rms", "beam_width": 1}
-PLAIN_RVQ_GROUP_DIMS = (8,)  # `--plain-rvq` without a group size: this codec's default groups
+PLAIN_RVQ_GROUP_DIMS = (calibration_defaults()["group_dim"],)  # `--plain-rvq` without a group size
 
 
 def plain_rvq_row(group_dim: int, learner: str = "l2") -> tuple[str, str, dict]:
