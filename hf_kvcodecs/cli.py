@@ -1,4 +1,5 @@
-"""Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | bench kv | bench memory | bench codec | bench weights`."""
+"""Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | bench kv | bench memory | bench codec |
+bench weights | bench split | bench decode`."""
 
 from __future__ import annotations
 

@@ -83,7 +83,13 @@ def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: 
 def resolve_codebooks(source: str | Path, *, revision: str | None = None, subfolder: str | None = None,
                       token: str | bool | None = None) -> Path:
     """A local codebook directory for ``source``: an existing directory, else a Hub repo id (downloaded)."""
+    if isinstance(source, str) and not source.strip():
+        raise ValueError("codebooks is an empty string; pass a directory written by `hf-kvcodecs calibrate --out DIR` "
+                         "or a Hub repo id (owner/name).")
     path = Path(source).expanduser()
+    if path.is_file():
+        raise CodebookFileError(f"{source} is a file; pass the directory that holds the codebook files "
+                                f"({path.parent}).")
     if path.is_dir():
         if revision is not None:
             raise ValueError(f"revision={revision!r} was given, but {source} is a local directory; drop the revision "

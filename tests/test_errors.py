@@ -437,3 +437,28 @@ def test_tensors_of_the_wrong_dtype_are_refused(tiny_codebooks_dir, tmp_path, na
     resave_codebook_tensors(target, tensors)
     with pytest.raises(CodebookFileError, match=f"tensor {name} is {dtype}"):
         GSRQCodebooks.load(target)
+
+
+def test_codebooks_that_are_empty_an_empty_string_or_a_file_get_errors_that_name_the_mistake(tiny_model, tiny_codebooks_dir,
+                                                                                            tmp_path):
+    ids = torch.tensor([[5, 6, 7]])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CodebookFileError, match=f"{METADATA_FILE} does not exist.*hf-kvcodecs calibrate"):
+        tiny_model.generate(ids, max_new_tokens=2, cache_implementation="gsrq", cache_config={"codebooks": str(empty)})
+    with pytest.raises(ValueError, match="codebooks is an empty string"):
+        tiny_model.generate(ids, max_new_tokens=2, cache_implementation="gsrq", cache_config={"codebooks": ""})
+    with pytest.raises(CodebookFileError, match=f"is a file; pass the directory that holds.*{tiny_codebooks_dir.name}"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir / METADATA_FILE)
+
+
+@pytest.mark.parametrize("cache_config", ["some/dir", ["some/dir"], ("bits", 2)])
+def test_cache_config_that_is_not_a_dict(tiny_model, cache_config):
+    with pytest.raises(TypeError, match="cache_config must be a dict, got .*cache_config=\\{'codebooks': DIR"):
+        tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="gsrq",
+                            cache_config=cache_config)
+
+
+def test_a_cache_built_without_the_model_config_warns_that_nothing_was_checked(tiny_codebooks_dir):
+    with pytest.warns(UserWarning, match="without the model's config.*GSRQCache\\(model.config, codebooks="):
+        GSRQCache(codebooks=tiny_codebooks_dir)

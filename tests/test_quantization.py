@@ -479,6 +479,24 @@ def test_user_choice_of_cache_wins_and_generate_arguments_override(saved):
     assert model.generation_config.cache_implementation == "gsrq"  # the default itself is untouched
 
 
+def test_a_per_call_cache_config_overrides_the_checkpoint_default_key_by_key(saved, tiny_codebooks_dir):
+    model = saved[2]["model"]
+    default = dict(model.generation_config.cache_config)
+    assert default["bits"] == KV_BITS and "codebooks" in default
+
+    def cache_of(**kwargs):
+        return model.generate(PROMPT, max_new_tokens=2, do_sample=False, return_dict_in_generate=True, **kwargs).cache
+
+    # transformers replaces the default cache_config with the per-call one; the checkpoint's codebooks must survive
+    cache = cache_of(cache_config={"bits": 1.0})
+    assert isinstance(cache, GSRQCache) and cache.bits == 1.0
+    cache = cache_of(cache_config={"attention": "dequantize", "beam_width": 1})
+    assert (cache.attention_path, cache.beam_width, cache.bits) == ("dequantize", 1, KV_BITS)
+    cache = cache_of(cache_config={"codebooks": str(tiny_codebooks_dir), "window_length": 5})
+    assert (cache.window_length, cache.bits) == (5, KV_BITS)
+    assert model.generation_config.cache_config == default  # the default itself is untouched
+
+
 def test_codebooks_are_found_next_to_hub_snapshots_and_downloaded_from_the_same_commit(tiny_codebooks_dir, tmp_path, monkeypatch):
     import shutil
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from pathlib import Path
 
 import torch
@@ -451,7 +452,9 @@ def load_codebooks(source, *, revision: str | None = None, subfolder: str | None
         from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
 
         path = resolve_codebooks(source, revision=revision, subfolder=subfolder).resolve()
-        stamp = max((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()) if path.is_dir() else 0.0
+        # a directory without the files gets GSRQCodebooks.load's error, which says how to create them
+        stamp = max(((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()),
+                    default=0.0)
         key = (str(path), stamp)
         if key not in _CODEBOOK_MEMO:
             # loaded as normal tensors even inside torch.inference_mode(): the memo outlives the block, and inference
@@ -521,7 +524,7 @@ class GSRQCache(Cache):
             )
         if codebooks is None:
             raise ValueError(
-                "GSRQCache needs fitted codebooks: pass cache_config={'codebooks': DIR} (or GSRQCache(codebooks=DIR)), "
+                "GSRQCache needs fitted codebooks: pass cache_config={'codebooks': DIR} (or GSRQCache(model.config, codebooks=DIR)), "
                 "where DIR was written by `hf-kvcodecs calibrate --model <model> --out DIR`. A compressed model saved by "
                 "hf_kvcodecs carries its codebooks and sets this for you."
             )
@@ -539,6 +542,11 @@ class GSRQCache(Cache):
         self.codebooks = load_codebooks(codebooks, revision=codebooks_revision, subfolder=codebooks_subfolder)
         if config is not None:
             self.codebooks.check_fits(config)
+        elif rope_inv_freq is None:
+            # nothing to check codebooks of another model (layers, RoPE base) against: they would run, coding worse
+            warnings.warn("GSRQCache was built without the model's config, so its codebooks are not checked against "
+                          "the model; pass GSRQCache(model.config, codebooks=...) (generate(cache_implementation="
+                          "'gsrq') does).", UserWarning, stacklevel=2)
         self.bits = DEFAULT_BITS if bits is None else check_bit_rate("bits", bits)
         self.key_bits = self.bits if key_bits is None else check_bit_rate("key_bits", key_bits)
         self.value_bits = self.bits if value_bits is None else check_bit_rate("value_bits", value_bits)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+from collections.abc import Mapping
 from typing import Callable
 
 from packaging.version import Version
@@ -68,6 +69,35 @@ def register_cache_implementation(name: str, factory: Callable) -> None:
     _wrap_prepare_cache(generation_mixin)
 
 
+def _cache_options(model, generation_config, implementation: str) -> dict:
+    """The cache's keyword arguments: the per-call ``cache_config`` over the model's default one for the same cache.
+
+    generate() replaces the model's ``cache_config`` with a per-call one instead of merging them, so on a compressed
+    checkpoint ``cache_config={"bits": 1}`` would drop the codebooks it carries; here per-call keys override the
+    default's and the rest is kept. A shallow copy: codebooks passed as an object are model-level tables, not per-call
+    state."""
+    per_call = generation_config.cache_config
+    if per_call is not None and not isinstance(per_call, Mapping):
+        raise TypeError(f"cache_config must be a dict, got {type(per_call).__name__}: e.g. "
+                        f"cache_config={{'codebooks': DIR, 'bits': 2}} with cache_implementation={implementation!r}.")
+    options = dict(per_call or {})
+    model_default = getattr(model, "generation_config", None)
+    default_options = getattr(model_default, "cache_config", None)
+    if (model_default is None or model_default is generation_config
+            or getattr(model_default, "cache_implementation", None) != implementation
+            or not isinstance(default_options, Mapping) or default_options is per_call):
+        return options
+    inherited = dict(default_options)
+    if "codebooks" in options:  # other codebooks: the default's Hub location does not apply to them
+        inherited = {key: value for key, value in inherited.items()
+                     if key not in ("codebooks", "codebooks_revision", "codebooks_subfolder")}
+    kept = sorted(inherited.keys() - options.keys())
+    if kept and options:
+        logger.info("cache_config %s given to generate() is merged over the model's default; kept from the default: "
+                    "%s.", sorted(options), kept)
+    return {**inherited, **options}
+
+
 def _wrap_prepare_cache(generation_mixin) -> None:
     original = generation_mixin._prepare_cache_for_generation
     if getattr(original, _PATCH_MARKER, None) is CACHE_IMPLEMENTATIONS:
@@ -91,8 +121,7 @@ def _wrap_prepare_cache(generation_mixin) -> None:
         ):
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-            # a shallow copy: codebooks passed as an object are model-level tables, not per-call state
-            cache_kwargs = dict(generation_config.cache_config) if generation_config.cache_config else {}
+            cache_kwargs = _cache_options(self, generation_config, implementation)
             if cache_kwargs.get("attention", "auto") != "dequantize" and getattr(CACHE_IMPLEMENTATIONS[implementation], "reads_codes", False):
                 from .attention import enable_code_attention
 
