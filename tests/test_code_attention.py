@@ -173,7 +173,8 @@ def test_fallback_when_the_attention_implementation_has_no_stand_in(tiny_codeboo
     assert other.config._attn_implementation == "flex_attention"
     cache = GSRQCache(other.config, codebooks=tiny_codebooks_dir)
     assert cache.attention_path == "dequantize"
-    assert GSRQCache(codebooks=tiny_codebooks_dir).attention_path == "dequantize"  # no config: nothing to go on
+    with pytest.warns(UserWarning, match="without the model's config"):  # no config: nothing to go on
+        assert GSRQCache(codebooks=tiny_codebooks_dir).attention_path == "dequantize"
 
 
 def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
@@ -181,7 +182,8 @@ def test_forcing_codes_without_the_stand_in_fails_loudly(tiny_codebooks_dir):
     plain = LlamaForCausalLM(tiny_llama_config()).eval()
     with pytest.raises(ValueError, match="enable_code_attention"):  # given the config, the cache refuses at once
         GSRQCache(plain.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED)
-    cache = GSRQCache(codebooks=tiny_codebooks_dir, attention="codes", **CODED)  # without it, at the second pass
+    with pytest.warns(UserWarning, match="without the model's config"):  # without it, at the second pass
+        cache = GSRQCache(codebooks=tiny_codebooks_dir, attention="codes", **CODED)
     ids = _prompt(batch=1)
     with torch.inference_mode():
         first = plain(ids, cache=cache).logits

@@ -74,21 +74,22 @@ def test_codebooks_load_by_repo_id_and_generate_as_from_the_directory(tiny_model
     assert cache.codebooks.fingerprint == from_hub.fingerprint
 
 
-def test_revision_and_subfolder_select_what_is_read(tiny_codebooks_dir, tiny_per_head_codebooks_dir, offline_hub):
+def test_revision_and_subfolder_select_what_is_read(tiny_model, tiny_codebooks_dir, tiny_per_head_codebooks_dir,
+                                                    offline_hub):
     first = offline_hub("someone/cb", _files(tiny_per_head_codebooks_dir))
     offline_hub("someone/cb", _files(tiny_codebooks_dir))  # main moves on to the default layout
     assert GSRQCodebooks.from_pretrained("someone/cb").layout("values") == "given_keys"
     pinned = GSRQCodebooks.from_pretrained("someone/cb", revision=first)
     assert pinned.layout("values") == "per_head"
     assert _same_codebooks(pinned, GSRQCodebooks.load(tiny_per_head_codebooks_dir))
-    cache = GSRQCache(codebooks="someone/cb", codebooks_revision=first)
+    cache = GSRQCache(tiny_model.config, codebooks="someone/cb", codebooks_revision=first)
     assert cache.codebooks.layout("values") == "per_head"
 
     # a model saved by hf_kvcodecs keeps its codebooks in kv_codebooks/
     offline_hub("someone/model", {"config.json": b"{}", **_files(tiny_codebooks_dir, f"{KV_CODEBOOKS_FOLDER}/")})
     with pytest.raises(CodebookFileError, match="kv_codebooks"):
         GSRQCodebooks.from_pretrained("someone/model")
-    cache = GSRQCache(codebooks="someone/model", codebooks_subfolder=KV_CODEBOOKS_FOLDER)
+    cache = GSRQCache(tiny_model.config, codebooks="someone/model", codebooks_subfolder=KV_CODEBOOKS_FOLDER)
     assert _same_codebooks(cache.codebooks, GSRQCodebooks.load(tiny_codebooks_dir))
 
 

@@ -56,16 +56,17 @@ def test_codebooks_for_another_model(tiny_codebooks_dir, overrides, field):
 
 def test_layer_checks_head_shape_without_a_config(tiny_codebooks_dir):
     other = LlamaForCausalLM(tiny_llama_config(num_key_value_heads=4)).eval()
-    cache = GSRQCache(codebooks=tiny_codebooks_dir)  # no config given: the first update catches the mismatch
+    with pytest.warns(UserWarning, match="without the model's config"):  # no config given: the first update catches the mismatch
+        cache = GSRQCache(codebooks=tiny_codebooks_dir)
     with pytest.raises(ValueError, match="expect 2 KV heads of size 16"):
         other(torch.tensor([[5, 6, 7]]), cache=cache)
 
 
-def test_rate_above_what_was_calibrated(tiny_codebooks_dir):
+def test_rate_above_what_was_calibrated(tiny_model, tiny_codebooks_dir):
     with pytest.raises(ValueError, match="calibrated with 5.*hf-kvcodecs calibrate --bits 8"):
-        GSRQCache(codebooks=tiny_codebooks_dir, bits=8)
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=8)
     with pytest.raises(ValueError, match="below the lowest rate"):
-        GSRQCache(codebooks=tiny_codebooks_dir, bits=0.5)
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=0.5)
 
 
 def test_wrong_dtype_mid_sequence(tiny_model, tiny_codebooks_dir):
@@ -79,8 +80,8 @@ def test_wrong_dtype_mid_sequence(tiny_model, tiny_codebooks_dir):
 @pytest.mark.parametrize("attention", ["dequantize", "codes"])
 @pytest.mark.parametrize("tensor, bad", [("keys", float("nan")), ("values", float("inf"))])
 def test_non_finite_states_are_refused_before_they_are_coded(tiny_model, tiny_codebooks_dir, attention, tensor, bad):
-    cache = GSRQCache(codebooks=tiny_codebooks_dir, window_length=2, flush_interval=1, num_sink_tokens=1,
-                      attention=attention)
+    cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, window_length=2, flush_interval=1,
+                      num_sink_tokens=1, attention=attention)
     layer = cache.layers[0]
     first = {"keys": torch.randn(1, 2, 3, 16), "values": torch.randn(1, 2, 3, 16)}
     first[tensor][0, 1, 1, 3] = bad  # the first token after the sink: the first one a flush codes
@@ -319,7 +320,7 @@ def test_meta_device_models_are_refused_clearly(tiny_codebooks_dir):
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama_config()).eval()
     with pytest.raises(ValueError, match="'meta' device"):
-        model(torch.tensor([[5, 6, 7]], device="meta"), cache=GSRQCache(codebooks=tiny_codebooks_dir))
+        model(torch.tensor([[5, 6, 7]], device="meta"), cache=GSRQCache(model.config, codebooks=tiny_codebooks_dir))
 
 
 @pytest.mark.parametrize("settings, message", [

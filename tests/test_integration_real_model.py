@@ -85,14 +85,14 @@ def test_pipeline_chat_with_gsrq(real, real_codebooks):
     assert reply["role"] == "assistant" and reply["content"].strip()
 
 
-def test_cli_calibrate_writes_a_loadable_codebook_directory(tmp_path, capsys):
+def test_cli_calibrate_writes_a_loadable_codebook_directory(real, tmp_path, capsys):
     from hf_kvcodecs.cli import main
 
     out = tmp_path / "cli_codebooks"
     assert main(["calibrate", "--out", str(out), "--bits", "1", "--windows", "2", "--learner", "gskm-principal"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["max_bits_per_element"] == pytest.approx(1.0)
-    cache = GSRQCache(codebooks=out, bits=1.0)
+    cache = GSRQCache(real.model.config, codebooks=out, bits=1.0)
     assert cache.codebooks.config["learner"] == "gskm-principal"
 
 
