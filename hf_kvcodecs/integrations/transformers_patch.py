@@ -83,9 +83,7 @@ def _cache_options(model, generation_config, implementation: str) -> dict:
     options = dict(per_call or {})
     model_default = getattr(model, "generation_config", None)
     default_options = getattr(model_default, "cache_config", None)
-    if (model_default is None or model_default is generation_config
-            or getattr(model_default, "cache_implementation", None) != implementation
-            or not isinstance(default_options, Mapping) or default_options is per_call):
+    if getattr(model_default, "cache_implementation", None) != implementation or not isinstance(default_options, Mapping):
         return options
     inherited = dict(default_options)
     if "codebooks" in options:  # other codebooks: the default's Hub location does not apply to them
