@@ -7,7 +7,7 @@
 import argparse
 
 import hf_kvcodecs  # noqa: F401  (registers cache_implementation="gsrq")
-from hf_kvcodecs.calibration.store import ensure_codebooks
+from hf_kvcodecs.gsrq.store import ensure_codebooks
 from hf_kvcodecs.models import load_model
 
 parser = argparse.ArgumentParser()

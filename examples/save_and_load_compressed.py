@@ -13,7 +13,7 @@ import argparse
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_kvcodecs  # noqa: F401  (registers quant_method="hf_kvcodecs" and cache_implementation="gsrq")
-from hf_kvcodecs.calibration.store import ensure_codebooks
+from hf_kvcodecs.gsrq.store import ensure_codebooks
 from hf_kvcodecs.models import load_model
 from hf_kvcodecs.quantization import KVCodecsConfig, quantize_model
 

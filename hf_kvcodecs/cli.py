@@ -14,8 +14,8 @@ from pathlib import Path
 from .bench.bit_split import DEFAULT_OFFSETS, SPLIT_LAYOUTS
 from .bench.harness import BASELINE_IDS
 from .bench.kv import GSRQ_LEARNERS, GSRQ_RATES
-from .calibration.store import calibration_defaults
-from .codecs.gsrq_codebooks import LAYOUTS
+from .gsrq.store import calibration_defaults
+from .gsrq.codebooks import LAYOUTS
 from .codecs.joint import DEFAULT_KEY_LAYOUT, DEFAULT_VALUE_LAYOUT, POST_ROPE_KEY_LAYOUT, POST_ROPE_VALUE_LAYOUT
 from .codecs.kmeans import CODEBOOK_LEARNERS, DEFAULT_LEARNER
 from .models import DEFAULT_MODEL_NAME
@@ -49,7 +49,7 @@ def _calibration_text(args):
 
 def cmd_calibrate(args) -> int:
     from .calibration import calibrate_gsrq
-    from .codecs.gsrq_codebooks import check_save_directory
+    from .gsrq.codebooks import check_save_directory
 
     check_save_directory(args.out, overwrite=args.overwrite)  # before minutes of loading and calibrating
     loaded = _load(args)
@@ -69,7 +69,7 @@ def cmd_calibrate(args) -> int:
     }
     print(json.dumps(summary, indent=2))
     if args.push_to_hub:
-        from .codebook_hub import push_codebooks
+        from .gsrq.hub import push_codebooks
         from .hub import model_hub_id
 
         commit = push_codebooks(codebooks, args.push_to_hub, base_model=model_hub_id(args.model), token=args.token,
@@ -86,7 +86,7 @@ def _add_push_arguments(parser: argparse.ArgumentParser, repo_flag: str | None =
 
 
 def cmd_push_codebooks(args) -> int:
-    from .codebook_hub import push_codebooks
+    from .gsrq.hub import push_codebooks
 
     commit = push_codebooks(args.directory, args.repo, base_model=args.base_model, token=args.token, private=args.private)
     print(f"pushed {args.directory} to {args.repo}: {getattr(commit, 'commit_url', commit)}")
@@ -259,8 +259,8 @@ def cmd_demo(args) -> int:
     from transformers import DynamicCache
 
     from .bench.memory import cache_bytes, shared_storages
-    from .cache import GSRQCache
-    from .calibration.store import ensure_codebooks
+    from .gsrq import GSRQCache
+    from .gsrq.store import ensure_codebooks
     from .models import model_fingerprint
     from .text import EVALUATION_DEFAULT, load_corpus
 

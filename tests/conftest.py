@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvcodecs  # noqa: F401  (registers cache_implementation="gsrq")
-from hf_kvcodecs.calibration import fit_gsrq_codebooks
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 
 TINY_BITS = 3.0  # head_dim 16, 8-dim groups, 256-word codebooks, 8-bit scales: (3*16-8)/8 = 5 stages
 
@@ -95,7 +95,7 @@ def resave_codebook_tensors(directory, tensors):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hf_kvcodecs.codecs.gsrq_codebooks import TENSORS_FILE
+    from hf_kvcodecs.gsrq.codebooks import TENSORS_FILE
 
     path = str(directory / TENSORS_FILE)
     with safe_open(path, "pt") as handle:

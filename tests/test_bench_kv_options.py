@@ -10,7 +10,7 @@ from hf_kvcodecs import GSRQCodebooks
 from hf_kvcodecs.bench import kv
 from hf_kvcodecs.bench.harness import BASELINE_IDS, shipped_baselines
 from hf_kvcodecs import cli
-from hf_kvcodecs.cache import GSRQCache
+from hf_kvcodecs.gsrq import GSRQCache
 from hf_kvcodecs.models import LoadedModel
 
 from .conftest import TINY_BITS, _tiny_codebooks

@@ -3,7 +3,8 @@ import torch
 from safetensors.torch import load_file
 
 from hf_kvcodecs import GSRQCache
-from hf_kvcodecs.calibration import collect_kv_samples, fit_gsrq_codebooks
+from hf_kvcodecs.calibration import collect_kv_samples
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 
 SMALL = dict(bits=2.0, window_tokens=64, sampled_tokens_per_window=32, num_windows=4, holdout_windows=1, n_iter=3,
              fit_rows=256, progress=False, text_info={"description": "random token ids (unit test)"})
@@ -32,7 +33,7 @@ def test_attention_metric_calibration_runs_and_is_recorded(tiny_model, tiny_toke
 
 
 def test_samples_are_bounded_and_pre_rope_keys_invert_post_rope(tiny_model, tiny_token_stream):
-    from hf_kvcodecs.cache.rope import find_rotary_parameters
+    from hf_kvcodecs.rope import find_rotary_parameters
 
     samples = collect_kv_samples(tiny_model, tiny_token_stream, window_tokens=64, sampled_tokens_per_window=16,
                                  num_windows=3, rope=find_rotary_parameters(tiny_model), progress=False)

@@ -58,7 +58,7 @@ def test_code_reading_generation_equals_dequantize_path(model, codebooks_dir, mo
     torch.manual_seed(5)
     got, code_cache = _generate(model, ids, codebooks_dir, "auto", **kwargs)
     assert dequantize_cache.attention_path == "dequantize"
-    assert code_cache.attention_path == "codes" and model.config._attn_implementation == "gsrq_sdpa"
+    assert code_cache.attention_path == "codes" and model.config._attn_implementation == "kvcodecs_sdpa"
     assert code_cache.layers[0].region_lengths()["codes"] > 0  # the codes were really read
     assert torch.equal(got, expected)
     if mode == "padded_batch":  # the padded row's first real tokens are among the exact sinks on both paths
@@ -88,7 +88,7 @@ def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_d
     copy of the codecs' tables (they would be per-cache memory no report counts), and are rebuilt when the key table
     dtype changes."""
     from hf_kvcodecs.bench.memory import tensor_storages
-    from hf_kvcodecs.cache.attention import _DECODE_CONSTANTS
+    from hf_kvcodecs.gsrq.attention import _DECODE_CONSTANTS
     from hf_kvcodecs.kernels.cpu_native import native_ops
 
     if native_ops() is None:
@@ -149,7 +149,7 @@ def test_eager_models_get_the_eager_stand_in(tiny_codebooks_dir):
     ids = _prompt(batch=1)
     expected, _ = _generate(eager, ids, tiny_codebooks_dir, "dequantize")
     got, cache = _generate(eager, ids, tiny_codebooks_dir, "auto")
-    assert eager.config._attn_implementation == "gsrq_eager" and cache.attention_path == "codes"
+    assert eager.config._attn_implementation == "kvcodecs_eager" and cache.attention_path == "codes"
     assert torch.equal(got, expected)
 
 
@@ -159,7 +159,7 @@ def test_stand_in_leaves_other_caches_unchanged(model, tiny_codebooks_dir):
     plain.load_state_dict(model.state_dict())
     ids = _prompt()
     expected = plain.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert enable_code_attention(plain) and plain.config._attn_implementation == "gsrq_sdpa"
+    assert enable_code_attention(plain) and plain.config._attn_implementation == "kvcodecs_sdpa"
     got = plain.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                          cache=DynamicCache(config=plain.config))
     assert torch.equal(got, expected)

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hf_kvcodecs.cli import build_parser, main
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
-from hf_kvcodecs.hub import REPORT_FILE
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE
+from hf_kvcodecs.quantization.hub import REPORT_FILE
 from hf_kvcodecs.quantization import KV_CODEBOOKS_FOLDER, PackedLinear
 from hf_kvcodecs.quantization.compress import CompressSettings, compress
 

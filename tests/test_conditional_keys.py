@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
-from hf_kvcodecs.calibration import fit_gsrq_codebooks
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 from hf_kvcodecs.codecs.conditional import ConditionalHeadResidualVQ, fit_conditional_head_residual_vq
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.kernels import reference
 from hf_kvcodecs.kernels.cpu import prerope_decode_attention

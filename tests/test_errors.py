@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from transformers import LlamaForCausalLM
 
 from .conftest import resave_codebook_tensors, tiny_llama_config
@@ -167,7 +167,7 @@ def test_scale_bits_that_disagree_with_the_tensors(tiny_codebooks_dir, tmp_path)
 
 
 def test_version_1_files_with_fp16_scales_still_load_and_run(tiny_model, tiny_token_stream, tmp_path):
-    from hf_kvcodecs.calibration.gsrq import fit_gsrq_codebooks
+    from hf_kvcodecs.gsrq.calibrate import fit_gsrq_codebooks
 
     directory = tmp_path / "v1"
     fit_gsrq_codebooks(
@@ -332,7 +332,7 @@ def test_meta_device_models_are_refused_clearly(tiny_codebooks_dir):
 ], ids=["bits-0", "bits-nan", "group-dim-0", "group-dim-5", "no-windows"])
 def test_calibration_settings_are_checked_before_any_activation_is_collected(tiny_model, monkeypatch, settings,
                                                                              message):
-    from hf_kvcodecs.calibration import gsrq as calibration
+    from hf_kvcodecs.gsrq import calibrate as calibration
 
     def collected(*args, **kwargs):
         raise AssertionError("activations were collected before the settings were checked")
@@ -343,7 +343,7 @@ def test_calibration_settings_are_checked_before_any_activation_is_collected(tin
 
 
 def test_calibration_out_must_not_be_a_file(tiny_model, tmp_path):
-    from hf_kvcodecs.calibration import fit_gsrq_codebooks
+    from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 
     (tmp_path / "file").write_text("keep me")
     with pytest.raises(ValueError, match="is a file; codebooks are saved as a directory"):
@@ -353,7 +353,7 @@ def test_calibration_out_must_not_be_a_file(tiny_model, tmp_path):
 
 def test_calibration_does_not_overwrite_saved_codebooks_unless_asked(tiny_model, tiny_codebooks_dir, tmp_path,
                                                                      monkeypatch):
-    from hf_kvcodecs.calibration import gsrq as calibration
+    from hf_kvcodecs.gsrq import calibrate as calibration
     from hf_kvcodecs.cli import run
 
     target = _copy(tiny_codebooks_dir, tmp_path)
@@ -379,7 +379,7 @@ def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_di
     first = {name: (target / name).read_bytes() for name in (TENSORS_FILE, METADATA_FILE)}
     assert sorted(path.name for path in target.iterdir()) == sorted(first)  # no temporary files left behind
 
-    import hf_kvcodecs.codecs.gsrq_codebooks as module
+    import hf_kvcodecs.gsrq.codebooks as module
 
     real_replace, moves = module.os.replace, []
 
@@ -403,7 +403,7 @@ def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_di
 
 
 def test_saved_files_reach_the_disk_before_they_are_moved_into_place(tiny_codebooks_dir, tmp_path, monkeypatch):
-    import hf_kvcodecs.codecs.gsrq_codebooks as module
+    import hf_kvcodecs.gsrq.codebooks as module
 
     codebooks, events = GSRQCodebooks.load(tiny_codebooks_dir), []
     real_fsync, real_replace, real_open = module.os.fsync, module.os.replace, module.os.open

@@ -39,7 +39,7 @@ def test_recorded_inputs_measure_each_cache_against_full_precision(tiny_codebook
     enable_code_attention(model)
     code_path = relative_errors(_read_after_prefill(
         model, GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention="codes", **CODED), ids)[0], reference)
-    assert model.config._attn_implementation == "gsrq_sdpa"
+    assert model.config._attn_implementation == "kvcodecs_sdpa"
     assert 0 < dequantized["keys"] < 1 and 0 < dequantized["values"] < 1
     assert code_path == dequantized  # the code-reading path attends over the same decoded history
 

@@ -116,14 +116,14 @@ def test_long_left_padding_is_reported(tiny_model, tiny_codebooks_dir, caplog):
     mask = (ids != 0).long()
     cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, window_length=4, flush_interval=4,
                       num_sink_tokens=3)
-    with caplog.at_level("WARNING", logger="hf_kvcodecs.cache.gsrq"):
+    with caplog.at_level("WARNING", logger="hf_kvcodecs.gsrq.cache"):
         tiny_model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False,
                             eos_token_id=None, pad_token_id=0)
     assert "left-padded by up to 70 tokens" in caplog.text and "first 73 tokens exact" in caplog.text
 
 
 def test_left_padding_is_read_from_the_first_call_positions():
-    from hf_kvcodecs.cache.gsrq import _left_padding
+    from hf_kvcodecs.gsrq.cache import _left_padding
 
     rows = torch.tensor
     assert _left_padding(rows([[0, 1, 2, 3]])) == 0  # one run: unpadded

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
-from hf_kvcodecs.hub import (
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE
+from hf_kvcodecs.quantization.hub import (
     REPORT_FILE,
     check_saved_model,
     model_card,

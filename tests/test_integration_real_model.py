@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 from hf_kvcodecs import GSRQCache
-from hf_kvcodecs.calibration import calibrate_gsrq
+from hf_kvcodecs.gsrq import calibrate_gsrq
 from hf_kvcodecs.models import load_model
 from hf_kvcodecs.text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 

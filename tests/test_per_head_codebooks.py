@@ -9,11 +9,11 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
-from hf_kvcodecs.cache import attention as cache_attention
-from hf_kvcodecs.calibration import fit_gsrq_codebooks
+from hf_kvcodecs.gsrq import attention as cache_attention
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 from hf_kvcodecs.codecs.conditional import (PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ,
                                             fit_conditional_head_residual_vq)
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.kernels.cpu import FixedPointKeyTable
 from hf_kvcodecs.kernels.cpu_native import native_ops

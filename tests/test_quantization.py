@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 import hf_kvcodecs
 from hf_kvcodecs import GSRQCache
-from hf_kvcodecs.codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.quantization import (
     KV_CODEBOOKS_FOLDER,
     FakeQuantLinear,
@@ -400,7 +400,7 @@ def test_codebooks_for_another_model_are_rejected_at_load(tiny_codebooks_dir, tm
 def test_saved_checkpoint_whose_codebooks_do_not_fit_is_a_clear_error(saved, tmp_path):
     import shutil
 
-    from hf_kvcodecs.calibration import fit_gsrq_codebooks
+    from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 
     checkpoint = tmp_path / "mismatched"
     shutil.copytree(saved[4]["dir"], checkpoint)
@@ -448,7 +448,7 @@ def test_checkpoint_missing_quantized_tensors_is_an_error(saved, tmp_path):
 
 
 def test_attach_kv_codebooks_to_a_float_model_saves_a_kv_only_checkpoint(tiny_model, tiny_codebooks_dir, tmp_path):
-    from hf_kvcodecs.codecs.gsrq_codebooks import GSRQCodebooks
+    from hf_kvcodecs.gsrq.codebooks import GSRQCodebooks
 
     model = _copy_of(tiny_model)
     attach_kv_codebooks(model, GSRQCodebooks.load(tiny_codebooks_dir), bits=1.5, window_length=8)

@@ -1,6 +1,6 @@
 import torch
 
-from hf_kvcodecs.cache.rope import (RotaryHalfTable, apply_rope, find_rotary_parameters, rotary_cos_sin,
+from hf_kvcodecs.rope import (RotaryHalfTable, apply_rope, find_rotary_parameters, rotary_cos_sin,
                                      shared_rotary_half_table, undo_rope)
 
 

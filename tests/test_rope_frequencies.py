@@ -9,7 +9,7 @@ import torch
 
 import hf_kvcodecs  # noqa: F401  (registers cache_implementation="gsrq")
 from hf_kvcodecs import GSRQCache, GSRQCodebooks, model_rope_inv_freq
-from hf_kvcodecs.cache.rope import apply_rope, rotary_cos_sin, undo_rope
+from hf_kvcodecs.rope import apply_rope, rotary_cos_sin, undo_rope
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
-from hf_kvcodecs.calibration import fit_gsrq_codebooks
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 from hf_kvcodecs.integrations.attention import enable_code_attention
 
 from .conftest import tiny_llama_config

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..cache import GSRQCache
-from ..calibration.store import ensure_codebooks
+from ..gsrq import GSRQCache
+from ..gsrq.store import ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.rope import find_rotary_parameters
+from ..rope import find_rotary_parameters
 from ..calibration.collect import KVSamples, collect_kv_samples
 from ..codecs.kmeans import CODEBOOK_LEARNERS
 from ..codecs.residual import (

@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from ..cache import GSRQCache
-from ..cache.rope import model_rope_inv_freq
-from ..calibration.store import calibration_defaults, ensure_codebooks
+from ..gsrq import GSRQCache
+from ..rope import model_rope_inv_freq
+from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import DEFAULT_BEAM_WIDTH
 from ..integrations.attention import enable_code_attention

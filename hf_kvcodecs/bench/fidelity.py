@@ -14,7 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..integrations.attention import CODE_LAYER_ATTRIBUTE, FORWARDING_IMPLEMENTATIONS, is_code_attention, original_attention
+from ..integrations.attention import (CODE_LAYER_ATTRIBUTE, FORWARDING_IMPLEMENTATIONS, attention_implementation,
+                                      is_code_attention, original_attention)
 
 CAPTURE_IMPLEMENTATION = "hf_kvcodecs_capture"
 
@@ -27,8 +28,7 @@ def recorded_attention_inputs(model):
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    config = model.config.get_text_config(decoder=True)
-    original = config._attn_implementation
+    original = attention_implementation(model.config)
     if (original not in ALL_ATTENTION_FUNCTIONS and original != "eager") or original not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(f"Cannot record the attention inputs of implementation {original!r}.")
     records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -42,7 +42,7 @@ def recorded_attention_inputs(model):
     AttentionInterface.register(CAPTURE_IMPLEMENTATION, recording_attention)
     AttentionMaskInterface.register(CAPTURE_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS[original])
     forwards_codes = is_code_attention(original)
-    if forwards_codes:  # GSRQ caches reading codes keep doing so through the recorder
+    if forwards_codes:  # caches reading codes keep doing so through the recorder
         FORWARDING_IMPLEMENTATIONS.add(CAPTURE_IMPLEMENTATION)
     model.set_attn_implementation(CAPTURE_IMPLEMENTATION)
     try:

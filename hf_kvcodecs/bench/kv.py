@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from ..cache import GSRQCache
-from ..codecs.gsrq_codebooks import LAYOUTS, heads_per_code
+from ..gsrq import GSRQCache
+from ..gsrq.codebooks import LAYOUTS, heads_per_code
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
-from ..calibration.store import calibration_defaults, ensure_codebooks
+from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus

@@ -95,7 +95,7 @@ def run_weights_benchmark(*, model: str = "default", threads: int | None = None,
     from tqdm.auto import tqdm
 
     from ..models import load_model
-    from ..quantization.evaluation import fixed_windows, forward_nll, paired_comparison
+    from ..evaluation.paired import fixed_windows, forward_nll, paired_comparison
     from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 
     started = time.perf_counter()
@@ -195,7 +195,7 @@ def _build(method: WeightMethod, float_model, float_dir: Path, workdir: Path, en
 
 
 def _size(method: WeightMethod, model, workdir: Path, float_dir: Path, converted: list[str], targets: dict[str, int]) -> dict:
-    from ..bench.memory import tensor_storages
+    from .memory import tensor_storages
 
     target_weights = sum(targets[name] for name in converted) or sum(targets.values())
     if not method.serializable:

@@ -1,4 +1,6 @@
-from .collect import KVSamples, collect_kv_samples
-from .gsrq import calibrate_gsrq, fit_gsrq_codebooks
+"""Method-agnostic calibration: run a model over real text with hooks and stream the statistics a codec is fitted
+on, without holding every activation. Each method's fitting code (``gsrq.calibrate``) builds on it."""
 
-__all__ = ["KVSamples", "calibrate_gsrq", "collect_kv_samples", "fit_gsrq_codebooks"]
+from .collect import KVSamples, collect_kv_samples
+
+__all__ = ["KVSamples", "collect_kv_samples"]

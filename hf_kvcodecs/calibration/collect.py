@@ -8,7 +8,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache.rope import rotary_cos_sin, undo_rope
+from ..rope import rotary_cos_sin, undo_rope
 from .metrics import QueryEnergy
 
 
@@ -68,7 +68,7 @@ def collect_kv_samples(
     Only ``sampled_tokens_per_window`` tokens per window and layer are kept (never all activations). The first
     ``skip_first`` tokens of each window are excluded: they are attention sinks, which the cache keeps exact anyway.
     With ``rope=(inv_freq, attention_scaling)``, keys are also returned before RoPE, undone with each token's own
-    position exactly as :class:`~hf_kvcodecs.cache.GSRQCache` does at run time.
+    position exactly as :class:`~hf_kvcodecs.gsrq.GSRQCache` does at run time.
     """
     available = token_ids.numel() // window_tokens
     if available < 1:

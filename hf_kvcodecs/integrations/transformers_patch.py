@@ -126,7 +126,7 @@ def _wrap_prepare_cache(generation_mixin) -> None:
                 enable_code_attention(self)
             cache_kwargs.setdefault("config", self.config.get_text_config(decoder=True))
             if getattr(CACHE_IMPLEMENTATIONS[implementation], "takes_model_rope", False):
-                from ..cache.rope import model_rope_inv_freq
+                from ..rope import model_rope_inv_freq
 
                 # the frequencies this model applies (a model cast to bf16 rounds them), not only the calibrated ones
                 cache_kwargs.setdefault("rope_inv_freq", model_rope_inv_freq(self))

@@ -20,7 +20,7 @@ import torch
 from ..models import DEFAULT_MODEL_NAME, load_model
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .config import KV_CODEBOOKS_FOLDER, KVCodecsConfig
-from .evaluation import decode_nll, fixed_windows, paired_comparison
+from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
 from .modules import dequantized_weight_cache
 from .quantizer import attach_kv_codebooks, quantize_model, quantized_modules
 
@@ -100,14 +100,12 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
     """
     from transformers import DynamicCache
 
-    from ..cache import GSRQCache
-    from ..hub import (
-        DEFAULT_MODEL_LICENSE,
+    from ..gsrq import GSRQCache
+    from ..hub import DEFAULT_MODEL_LICENSE, library_versions, model_hub_id
+    from .hub import (
         REPORT_FILE,
         REPORT_FORMAT,
         REPORT_FORMAT_VERSION,
-        library_versions,
-        model_hub_id,
         push_compressed_model,
         write_model_card,
     )
@@ -259,7 +257,7 @@ def _commands(settings: CompressSettings, out: Path, push_to_hub: str | None) ->
 
 def _exact_tokens(cache_options: dict) -> int:
     """Most tokens a GSRQ cache with these options holds without coding any (sinks + window + flush interval)."""
-    from ..cache import gsrq
+    from ..gsrq import cache as gsrq
 
     return (cache_options.get("num_sink_tokens", gsrq.DEFAULT_NUM_SINK_TOKENS)
             + cache_options.get("window_length", gsrq.DEFAULT_WINDOW_LENGTH)
@@ -267,7 +265,7 @@ def _exact_tokens(cache_options: dict) -> int:
 
 
 def _fill_cache_defaults(kv_cache: dict) -> None:
-    from ..cache import gsrq
+    from ..gsrq import cache as gsrq
 
     kv_cache.setdefault("window_length", gsrq.DEFAULT_WINDOW_LENGTH)
     kv_cache.setdefault("flush_interval", gsrq.DEFAULT_FLUSH_INTERVAL)

@@ -20,7 +20,7 @@ MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 8192
 
 
 def _kv_cache_options() -> tuple[str, ...]:
-    from ..cache.gsrq import CACHE_CONFIG_KEYS
+    from ..gsrq.cache import CACHE_CONFIG_KEYS
 
     # generate() supplies the model config; a checkpoint carries its own codebooks, so no Hub revision or subfolder
     return tuple(key for key in CACHE_CONFIG_KEYS if key not in ("config", "codebooks_revision", "codebooks_subfolder",

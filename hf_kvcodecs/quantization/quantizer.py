@@ -28,8 +28,9 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
-from ..codebook_hub import download_codebooks, looks_like_repo_id
-from ..codecs.gsrq_codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
+from ..gsrq.hub import download_codebooks
+from ..hub import looks_like_repo_id
+from ..gsrq.codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
 from ..integrations.loading import was_loaded_from_checkpoint
 from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
 from .modules import (
@@ -151,7 +152,7 @@ class KVCodecsHfQuantizer(HfQuantizer):
         The model's generation config keeps a cache implementation set by the user or the checkpoint, unless it is
         already GSRQ with these codebooks or ``override`` is set.
         """
-        from ..cache.gsrq import GSRQCache, load_codebooks
+        from ..gsrq.cache import GSRQCache, load_codebooks
 
         config = self.quantization_config
         location = config.kv_cache_config["codebooks"]

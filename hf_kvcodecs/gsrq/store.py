@@ -9,12 +9,12 @@ import logging
 import os
 from pathlib import Path
 
-from ..codecs.gsrq_codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
+from .codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
-from .gsrq import calibrate_gsrq, fit_gsrq_codebooks
+from .calibrate import calibrate_gsrq, fit_gsrq_codebooks
 
 logger = logging.getLogger(__name__)
 

@@ -11,26 +11,13 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from .codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
+from ..hub import library_versions, looks_like_repo_id, templates_dir
+from .codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
 
 CODEBOOK_CARD_TEMPLATE = "gsrq_codebooks.md"
 CODEBOOK_FILES = (METADATA_FILE, TENSORS_FILE)
 _SAVED_MODEL_HINT = (" If the repo holds a model saved by hf_kvcodecs, its codebooks are in its kv_codebooks/ folder: "
                      "pass subfolder='kv_codebooks' (cache_config key 'codebooks_subfolder').")
-
-
-def looks_like_repo_id(source: str) -> bool:
-    """Whether ``source`` can name a Hub repository (``name`` or ``owner/name``) rather than only a local path."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if source.startswith((".", "/", "~")) or "\\" in source:
-        return False
-    try:
-        validate_repo_id(source)
-    except HFValidationError:
-        return False
-    return True
 
 
 def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: str | None = None,
@@ -108,7 +95,6 @@ def codebook_card(codebooks: GSRQCodebooks, *, repo_id: str | None = None, base_
     """A ``huggingface_hub.ModelCard`` describing ``codebooks``: the model they fit, how and on what they were fitted."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    from .hub import library_versions, templates_dir
 
     template_path = Path(template) if template is not None else templates_dir() / CODEBOOK_CARD_TEMPLATE
     if not template_path.is_file():

@@ -13,10 +13,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ
-from .given_keys import GIVEN_KEYS_LAYOUT, KeyPredictedValueVQ
-from .joint import CODEC_LAYOUTS, JointHeadResidualVQ
-from .residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
+from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ
+from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, KeyPredictedValueVQ
+from ..codecs.joint import CODEC_LAYOUTS, JointHeadResidualVQ
+from ..codecs.residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -183,7 +183,7 @@ class GSRQCodebooks:
                         token: str | bool | None = None) -> "GSRQCodebooks":
         """Codebooks from a local directory or a Hub repo id (``owner/name``; ``revision`` pins a branch, tag or
         commit, ``subfolder`` reads e.g. the ``kv_codebooks/`` folder of a saved hf_kvcodecs model)."""
-        from ..codebook_hub import resolve_codebooks
+        from .hub import resolve_codebooks
 
         return cls.load(resolve_codebooks(source, revision=revision, subfolder=subfolder, token=token))
 
@@ -191,8 +191,8 @@ class GSRQCodebooks:
                     private: bool | None = None, revision: str | None = None, create_pr: bool = False,
                     commit_message: str | None = None):
         """Upload these codebooks and a card describing them to the Hub repo ``repo_id`` (see
-        :func:`hf_kvcodecs.codebook_hub.push_codebooks`)."""
-        from ..codebook_hub import push_codebooks
+        :func:`hf_kvcodecs.gsrq.hub.push_codebooks`)."""
+        from .hub import push_codebooks
 
         return push_codebooks(self, repo_id, base_model=base_model, token=token, private=private, revision=revision,
                               create_pr=create_pr, commit_message=commit_message)

@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..codecs.gsrq_codebooks import GSRQCodebooks
+from .codebooks import GSRQCodebooks
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_bit_rate, check_encoder_options,
 )
-from ..integrations.attention import CODE_LAYER_ATTRIBUTE, is_code_attention
-from .rope import apply_rope, rotary_cos_sin, shared_rotary_half_table, undo_rope
+from ..integrations.attention import CODE_LAYER_ATTRIBUTE, attention_implementation, is_code_attention
+from .attention import gsrq_layer_attention, uses_codes
+from ..rope import apply_rope, rotary_cos_sin, shared_rotary_half_table, undo_rope
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,22 @@ class GSRQLayer(CacheLayerMixin):
         self._flush_overflow()
         if self.is_last_layer:
             self.ledger.forget_angles()
+
+    def code_attention(self, query, attention_mask, scaling: float, attend_decoded, *, output_attentions=False):
+        """The code-reading attention function's call for this layer (``integrations.attention``): decode-sized
+        query blocks read the codes; prefill-sized blocks, calls that want attention weights and calls that need
+        gradients attend over the decoded tokens with the model's own attention (the op returns no weights and has
+        no autograd formula, and a prefill's tokens were just computed in full precision anyway)."""
+        self.mark_attended()
+        try:
+            if not uses_codes(self, query) or output_attentions or (torch.is_grad_enabled() and query.requires_grad):
+                self.last_attention = "dequantize"
+                return attend_decoded(*self.dequantized_keys_and_values())
+            self.last_attention = "codes"
+            output = gsrq_layer_attention(self, query, attention_mask, scaling)
+            return output.transpose(1, 2).contiguous(), None
+        finally:
+            self.finish_attention()
 
     def dequantized_keys_and_values(self):
         """Every held token, decoded, in order (the dequantize path's keys and values)."""
@@ -448,8 +465,8 @@ def load_codebooks(source, *, revision: str | None = None, subfolder: str | None
                              "not to a GSRQCodebooks object.")
         return source
     if isinstance(source, (str, Path)):
-        from ..codebook_hub import resolve_codebooks
-        from ..codecs.gsrq_codebooks import METADATA_FILE, TENSORS_FILE
+        from .hub import resolve_codebooks
+        from .codebooks import METADATA_FILE, TENSORS_FILE
 
         path = resolve_codebooks(source, revision=revision, subfolder=subfolder).resolve()
         # a directory without the files gets GSRQCodebooks.load's error, which says how to create them
@@ -576,7 +593,7 @@ class GSRQCache(Cache):
         self.attention = attention
         # kept to notice a model switched off the code-reading attention after this cache was built
         self.text_config = None if config is None else config.get_text_config(decoder=True)
-        implementation = None if config is None else self.text_config._attn_implementation
+        implementation = None if config is None else attention_implementation(config)
         if attention == "auto":
             attention = "codes" if is_code_attention(implementation) else "dequantize"
         elif attention == "codes" and config is not None and not is_code_attention(implementation):
@@ -619,7 +636,7 @@ class GSRQCache(Cache):
             )
         if layer_idx == 0:
             if self.attention_path == "codes" and self.text_config is not None:
-                implementation = self.text_config._attn_implementation
+                implementation = attention_implementation(self.text_config)
                 if not is_code_attention(implementation):
                     # the layers would hand its attention placeholders (NaN) instead of keys and values
                     raise RuntimeError(

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..cache.rope import find_rotary_parameters
+from ..rope import find_rotary_parameters
 from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
-from ..codecs.gsrq_codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
+from .codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 from ..codecs.joint import fit_joint_head_residual_vq, resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
 from ..codecs.residual import (
@@ -22,8 +22,8 @@ from ..codecs.residual import (
 )
 from ..models import model_fingerprint
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
-from .collect import collect_kv_samples
-from .metrics import attention_projections, key_metric, value_metric
+from ..calibration.collect import collect_kv_samples
+from ..calibration.metrics import attention_projections, key_metric, value_metric
 
 logger = logging.getLogger(__name__)
 

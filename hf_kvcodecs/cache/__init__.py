@@ -1,3 +1,0 @@
-from .gsrq import GSRQCache, GSRQLayer, load_codebooks
-
-__all__ = ["GSRQCache", "GSRQLayer", "load_codebooks"]

@@ -1,0 +1,11 @@
+"""GSRQ: gain-shape residual quantization of the KV cache.
+
+Owns the cache config, the codec layouts, the codebooks and their file format (local or on the Hub), calibration,
+:class:`GSRQCache` (``cache_implementation="gsrq"``) and the glue from its layers to the code-reading attention ops.
+"""
+
+from .cache import GSRQCache, GSRQLayer, load_codebooks
+from .calibrate import calibrate_gsrq, fit_gsrq_codebooks
+from .codebooks import GSRQCodebooks
+
+__all__ = ["GSRQCache", "GSRQCodebooks", "GSRQLayer", "calibrate_gsrq", "fit_gsrq_codebooks", "load_codebooks"]
