@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench calibrate clean
+.PHONY: setup demo test lint bench calibrate clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,13 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/hf-kvcodecs demo
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q tests
+
+# the import layering contracts (pyproject.toml, [tool.importlinter]) and the lint rules ([tool.ruff])
+lint: setup
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check .
 
 bench: setup
 	$(BIN)/hf-kvcodecs bench kv --threads 2 --seeds 0 1 --out benchmarks/results

@@ -22,6 +22,7 @@ The codebooks are random (speed does not depend on their values); parity is chec
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
                     error = float((got - expected).abs().max())
                     if error > 1e-3:
                         raise AssertionError(f"{method} differs from the reference by {error} at B={batch} N={tokens}")
-                timings[method] = timed(lambda: coded_attention_triton(*arguments, value_predictor=predictor))
+                timings[method] = timed(functools.partial(coded_attention_triton, *arguments, value_predictor=predictor))
             # what every GSRQ row must read from memory: codes, scales, positions (the conditional kernel also
             # re-reads a [D, D] pair matrix per source head and token block, mostly from L2: not counted, so its
             # bandwidth column is a lower bound on the traffic, not a comparable efficiency)
@@ -150,7 +151,7 @@ def main(argv=None) -> int:
             keys = torch.randn(batch, kv_heads, tokens, dim, generator=generator).half().to(device)
             values = torch.randn(batch, kv_heads, tokens, dim, generator=generator).half().to(device)
             query16 = query.half()
-            sdpa_seconds = timed(lambda: F.scaled_dot_product_attention(query16, keys, values, enable_gqa=True))
+            sdpa_seconds = timed(functools.partial(F.scaled_dot_product_attention, query16, keys, values, enable_gqa=True))
             sdpa_bytes = 2 * (keys.numel() + values.numel())
             measured = [("sdpa-fp16", sdpa_seconds, sdpa_bytes)]
             measured += [(method, seconds, gsrq_bytes) for method, seconds in timings.items()]

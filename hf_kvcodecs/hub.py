@@ -4,6 +4,7 @@ templates shipped in ``model_cards/`` and the library versions a card or report 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.resources
 import platform
 from pathlib import Path
 
@@ -39,9 +40,7 @@ def model_hub_id(name: str) -> str | None:
 
 def templates_dir() -> Path:
     """The card templates: the repository's top-level ``model_cards/``, installed as ``hf_kvcodecs.model_cards``."""
-    from . import model_cards
-
-    return Path(model_cards.__file__).resolve().parent
+    return Path(str(importlib.resources.files("hf_kvcodecs.model_cards")))
 
 
 def library_versions() -> dict[str, str | None]:

@@ -23,7 +23,7 @@ class DefaultModelMissingError(RuntimeError):
 
 @dataclass
 class LoadedModel:
-    model: "torch.nn.Module"
+    model: torch.nn.Module
     tokenizer: object
     name: str  # what the user asked for ("default", a Hub id or a path)
     description: str  # human-readable provenance for reports

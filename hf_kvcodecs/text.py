@@ -6,9 +6,9 @@ Calibration and evaluation use different text by default, and every corpus carri
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 CALIBRATION_DEFAULT = "python-docs"
 EVALUATION_DEFAULT = "debian-licenses"

@@ -24,8 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import (cached_fold_value_prediction, check_coded_operands, has_cross_head_blocks, is_conditional,
-                        softmax_with_lse)
+from .reference import (
+    cached_fold_value_prediction,
+    check_coded_operands,
+    has_cross_head_blocks,
+    is_conditional,
+    softmax_with_lse,
+)
 
 
 @triton.jit

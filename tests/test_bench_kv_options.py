@@ -6,10 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_kvcodecs import GSRQCodebooks
+from hf_kvcodecs import GSRQCodebooks, cli
 from hf_kvcodecs.bench import kv
 from hf_kvcodecs.bench.harness import BASELINE_IDS, shipped_baselines
-from hf_kvcodecs import cli
 from hf_kvcodecs.gsrq import GSRQCache
 from hf_kvcodecs.models import LoadedModel
 
@@ -115,7 +114,7 @@ def test_layout_variants_run_only_next_to_default_l2_rows(runs):
     rows, recorded = runs("hf-kvcodecs bench kv --baselines")
     assert rows[0] == "fp32 DynamicCache" and len(rows) == 1 + 2 * 2 + 2 * len(kv.LAYOUT_VARIANTS)
     assert any(row.endswith(", keys conditional on earlier heads 2-bit") for row in rows)
-    assert recorded.endswith("bench kv --threads %d --baselines --model 'tiny model dir'" % torch.get_num_threads())
+    assert recorded.endswith(f"bench kv --threads {torch.get_num_threads()} --baselines --model 'tiny model dir'")
     rows, _ = runs("hf-kvcodecs bench kv --baselines --learners gskm-principal")  # no l2 rows: no variants
     assert rows == ["fp32 DynamicCache"] + [f"GSRQ (gskm-principal codebooks) {bits}-bit" for bits in (1, 2)]
     rows, recorded = runs("hf-kvcodecs bench kv --baselines --no-layout-variants --learners l2")

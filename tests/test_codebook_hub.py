@@ -12,10 +12,9 @@ from huggingface_hub.errors import RepositoryNotFoundError
 
 from hf_kvcodecs import GSRQCache
 from hf_kvcodecs.cli import build_parser, main
-from hf_kvcodecs.gsrq.hub import push_codebooks, resolve_codebooks
-from hf_kvcodecs.hub import looks_like_repo_id
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
-from hf_kvcodecs.hub import DEFAULT_MODEL_HUB_ID, model_hub_id
+from hf_kvcodecs.gsrq.hub import push_codebooks, resolve_codebooks
+from hf_kvcodecs.hub import DEFAULT_MODEL_HUB_ID, looks_like_repo_id, model_hub_id
 from hf_kvcodecs.quantization import KV_CODEBOOKS_FOLDER
 from hf_kvcodecs.quantization.quantizer import resolve_codebooks_dir
 

@@ -8,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_kvcodecs.bench.codec_ablation import ablation_markdown, run_codec_ablation, vector_metrics
-from hf_kvcodecs.codecs.residual import FP16_SCALE_BITS, stages_for_rate
 from hf_kvcodecs.codecs.kmeans import CODEBOOK_LEARNERS
+from hf_kvcodecs.codecs.residual import FP16_SCALE_BITS, stages_for_rate
 
 VOCAB, HEAD_DIM, KV_HEADS = 128, 32, 2
 BITS = (2.0, 4.0)

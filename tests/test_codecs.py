@@ -5,7 +5,13 @@ import torch
 
 from hf_kvcodecs.codecs import fit_codebook, nearest_codeword
 from hf_kvcodecs.codecs.residual import (
-    FP16_SCALE_BITS, LOG_SCALE_BITS, dequantize_scales, fit_transform_residual_vq, quantize_scales, gaussian_rate_distortion_reference, relative_mse,
+    FP16_SCALE_BITS,
+    LOG_SCALE_BITS,
+    dequantize_scales,
+    fit_transform_residual_vq,
+    gaussian_rate_distortion_reference,
+    quantize_scales,
+    relative_mse,
 )
 
 

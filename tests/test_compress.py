@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedToken
 
 from hf_kvcodecs.cli import build_parser, main
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE
-from hf_kvcodecs.quantization.hub import REPORT_FILE
 from hf_kvcodecs.quantization import KV_CODEBOOKS_FOLDER, PackedLinear
 from hf_kvcodecs.quantization.compress import CompressSettings, compress
+from hf_kvcodecs.quantization.hub import REPORT_FILE
 
 from .conftest import tiny_llama_config
 

@@ -150,8 +150,8 @@ def test_decode_command_records_the_group_sizes_and_the_parser_refuses_a_non_pos
 
 
 def test_calibrate_group_dim_defaults_to_the_fit_default_and_refuses_a_non_positive_one(capsys):
-    from hf_kvcodecs.gsrq.store import calibration_defaults
     from hf_kvcodecs.cli import build_parser
+    from hf_kvcodecs.gsrq.store import calibration_defaults
 
     parser = build_parser()
     assert parser.parse_args(["calibrate", "--out", "x"]).group_dim == calibration_defaults()["group_dim"]

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
-from transformers import LlamaForCausalLM
 
 from .conftest import resave_codebook_tensors, tiny_llama_config
 
@@ -353,8 +353,8 @@ def test_calibration_out_must_not_be_a_file(tiny_model, tmp_path):
 
 def test_calibration_does_not_overwrite_saved_codebooks_unless_asked(tiny_model, tiny_codebooks_dir, tmp_path,
                                                                      monkeypatch):
-    from hf_kvcodecs.gsrq import calibrate as calibration
     from hf_kvcodecs.cli import run
+    from hf_kvcodecs.gsrq import calibrate as calibration
 
     target = _copy(tiny_codebooks_dir, tmp_path)
     before = {name: (target / name).read_bytes() for name in (TENSORS_FILE, METADATA_FILE)}

@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks, enable_code_attention
-from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 from hf_kvcodecs.codecs.given_keys import KeyPredictedValueVQ
+from hf_kvcodecs.gsrq import fit_gsrq_codebooks
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 
 from .conftest import TINY_BITS, _tiny_codebooks, resave_codebook_tensors, tiny_llama_config

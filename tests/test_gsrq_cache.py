@@ -151,8 +151,8 @@ def test_generation_config_default_and_pipeline_pick_up_gsrq(tiny_model, tiny_co
 
 
 def test_pipeline_text_generation_uses_gsrq(tiny_model, tiny_codebooks_dir, monkeypatch):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {f"w{i}": i for i in range(128)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))

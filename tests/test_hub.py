@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE
+from hf_kvcodecs.quantization import KV_CODEBOOKS_FOLDER, KVCodecsConfig
 from hf_kvcodecs.quantization.hub import (
     REPORT_FILE,
     check_saved_model,
@@ -17,7 +18,6 @@ from hf_kvcodecs.quantization.hub import (
     read_report,
     write_model_card,
 )
-from hf_kvcodecs.quantization import KV_CODEBOOKS_FOLDER, KVCodecsConfig
 
 REPORT = {
     "format": "hf_kvcodecs.compression_report",

@@ -5,8 +5,12 @@ import torch
 
 from hf_kvcodecs.codecs.joint import JointHeadResidualVQ, fit_joint_head_residual_vq, resolve_layouts
 from hf_kvcodecs.codecs.residual import (
-    FP16_SCALE_BITS, LOG_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference,
-    joint_rate_distortion_reference, relative_mse,
+    FP16_SCALE_BITS,
+    LOG_SCALE_BITS,
+    fit_transform_residual_vq,
+    gaussian_rate_distortion_reference,
+    joint_rate_distortion_reference,
+    relative_mse,
 )
 from hf_kvcodecs.kernels import reference
 

@@ -11,8 +11,13 @@ import pytest
 import torch
 
 from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
-from hf_kvcodecs.kernels.cpu import (FixedPointKeyTable, coded_attention_cpu, conditional_key_table,
-                                     folded_key_table, fuses_value_prediction)
+from hf_kvcodecs.kernels.cpu import (
+    FixedPointKeyTable,
+    coded_attention_cpu,
+    conditional_key_table,
+    folded_key_table,
+    fuses_value_prediction,
+)
 from hf_kvcodecs.kernels.cpu_native import build_error, native_ops
 
 triton = pytest.importorskip("triton")
@@ -570,7 +575,7 @@ def test_codebooks_with_other_stage_counts_than_the_codes_are_refused(conditiona
     problem[f"{kind}_codec"] = (mean, synthesis, torch.cat([codebooks, codebooks.narrow(stage_axis, 0, 2)], stage_axis),
                                 torch.cat([groups, groups.narrow(-1, 0, 2)], -1))
     args = arguments(problem)
-    for name, implementation in [("reference", lambda: reference.coded_attention_reference(*args)),
+    for _name, implementation in [("reference", lambda: reference.coded_attention_reference(*args)),
                                  ("cpu", lambda: coded_attention_cpu(*op_arguments(problem))),
                                  ("triton", lambda: coded_attention_triton(*args)),
                                  ("op", lambda: coded_attention(*op_arguments(problem)))]:

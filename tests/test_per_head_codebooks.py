@@ -9,17 +9,27 @@ from safetensors.torch import load_file
 from transformers import LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCache, GSRQCodebooks
+from hf_kvcodecs.codecs.conditional import (
+    PER_HEAD_CODEBOOKS_LAYOUT,
+    ConditionalHeadResidualVQ,
+    fit_conditional_head_residual_vq,
+)
+from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.gsrq import attention as cache_attention
 from hf_kvcodecs.gsrq import fit_gsrq_codebooks
-from hf_kvcodecs.codecs.conditional import (PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ,
-                                            fit_conditional_head_residual_vq)
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
-from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.kernels.cpu import FixedPointKeyTable
 from hf_kvcodecs.kernels.cpu_native import native_ops
 
-from .conftest import (SMALL_WINDOW, _tiny_codebooks, generate_gsrq, generation_mode, layout_prompt,
-                       resave_codebook_tensors, tiny_llama_config)
+from .conftest import (
+    SMALL_WINDOW,
+    _tiny_codebooks,
+    generate_gsrq,
+    generation_mode,
+    layout_prompt,
+    resave_codebook_tensors,
+    tiny_llama_config,
+)
 
 HEADS, DIM = 3, 32
 SETTINGS = dict(max_stages=6, n_iter=4, fit_rows=2000)

@@ -1,7 +1,13 @@
 import torch
 
-from hf_kvcodecs.rope import (RotaryHalfTable, apply_rope, find_rotary_parameters, rotary_cos_sin,
-                                     shared_rotary_half_table, undo_rope)
+from hf_kvcodecs.rope import (
+    RotaryHalfTable,
+    apply_rope,
+    find_rotary_parameters,
+    rotary_cos_sin,
+    shared_rotary_half_table,
+    undo_rope,
+)
 
 
 def test_rotary_parameters_reproduce_the_model_and_invert_exactly(tiny_model):

@@ -33,13 +33,17 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
-from ..rope import find_rotary_parameters
 from ..calibration.collect import KVSamples, collect_kv_samples
 from ..codecs.kmeans import CODEBOOK_LEARNERS
 from ..codecs.residual import (
-    FP16_SCALE_BITS, fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse, stages_for_rate,
+    FP16_SCALE_BITS,
+    fit_transform_residual_vq,
+    gaussian_rate_distortion_reference,
+    relative_mse,
+    stages_for_rate,
 )
 from ..models import model_fingerprint
+from ..rope import find_rotary_parameters
 from ..text import CALIBRATION_DEFAULT, EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 
 KINDS = ("keys", "values")

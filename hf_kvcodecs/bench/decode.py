@@ -20,28 +20,36 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
+import functools
 import gc
 import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from ..gsrq import GSRQCache
-from ..rope import model_rope_inv_freq
-from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import DEFAULT_BEAM_WIDTH
+from ..gsrq import GSRQCache
+from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
+from ..rope import model_rope_inv_freq
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
-from .harness import (_decode_step, _environment, _perplexity_metrics, _prefill, check_group_sizes, full_precision_method,
-                      shipped_baselines)
+from .harness import (
+    _decode_step,
+    _environment,
+    _perplexity_metrics,
+    _prefill,
+    check_group_sizes,
+    full_precision_method,
+    shipped_baselines,
+)
 from .memory import cache_bytes, shared_storages
 
 DECODE_CONTEXTS = (1024, 4096, 8192)
@@ -202,7 +210,7 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
     for method in tqdm(methods, desc=f"decode memory @ {context}", disable=not progress):
         model = models[method.precision]
         cache, prompt_length = _prefilled(model, method, token_ids, context)
-        transient = _peak_transient_bytes(lambda: _timed_steps(model, cache, token_ids, prompt_length, memory_steps))
+        transient = _peak_transient_bytes(functools.partial(_timed_steps, model, cache, token_ids, prompt_length, memory_steps))
         # A second, short cache of the same method tells per-model tables (built lazily, so only now) from state.
         twin, _ = _prefilled(model, method, token_ids, 256)
         shared = shared_storages(cache, twin)

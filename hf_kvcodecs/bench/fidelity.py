@@ -14,8 +14,13 @@ from contextlib import contextmanager
 
 import torch
 
-from ..integrations.attention import (CODE_LAYER_ATTRIBUTE, FORWARDING_IMPLEMENTATIONS, attention_implementation,
-                                      is_code_attention, original_attention)
+from ..integrations.attention import (
+    CODE_LAYER_ATTRIBUTE,
+    FORWARDING_IMPLEMENTATIONS,
+    attention_implementation,
+    is_code_attention,
+    original_attention,
+)
 
 CAPTURE_IMPLEMENTATION = "hf_kvcodecs_capture"
 

@@ -16,6 +16,7 @@ that runs first in the same process:
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.metadata
 import logging
 import math
@@ -23,8 +24,8 @@ import platform
 import re
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -267,7 +268,7 @@ def evaluate_methods(
         warm_caches = {}
         for method in tqdm(runnable, desc="warm-up", disable=not progress):
             warm_caches[method.name] = _guarded(
-                entries[method.name], "warm-up", method is reference, lambda: _warm_up(model, method, warm_up_ids)
+                entries[method.name], "warm-up", method is reference, functools.partial(_warm_up, model, method, warm_up_ids)
             )
 
         reference_outputs: dict = {}
@@ -679,7 +680,7 @@ def _decode_speed(model, methods, reference, token_ids, context, n_tokens, repea
                 failure = {"name": method.name}
                 steps = _guarded(
                     failure, f"decode speed @ {context}", method is reference,
-                    lambda: _timed_decode(model, method, prompt, continuation),
+                    functools.partial(_timed_decode, model, method, prompt, continuation),
                 )
                 if steps is None:
                     errors[method.name] = failure["error"]

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from ..gsrq import GSRQCache
-from ..gsrq.codebooks import LAYOUTS, heads_per_code
-from ..codecs.residual import check_bit_rate, lowest_bit_rate
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
+from ..codecs.residual import check_bit_rate, lowest_bit_rate
+from ..gsrq import GSRQCache
+from ..gsrq.codebooks import LAYOUTS, heads_per_code
 from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint

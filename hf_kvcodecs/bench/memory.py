@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass

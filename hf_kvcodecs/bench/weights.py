@@ -17,9 +17,9 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ def run_weights_benchmark(*, model: str = "default", threads: int | None = None,
     import torch
     from tqdm.auto import tqdm
 
-    from ..models import load_model
     from ..evaluation.paired import fixed_windows, forward_nll, paired_comparison
+    from ..models import load_model
     from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 
     started = time.perf_counter()

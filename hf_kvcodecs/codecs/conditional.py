@@ -65,7 +65,7 @@ class ConditionalHeadResidualVQ:
     stats: dict = field(default_factory=dict)
     _mixing: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _table_source: "ConditionalHeadResidualVQ | None" = field(default=None, repr=False, compare=False)
+    _table_source: ConditionalHeadResidualVQ | None = field(default=None, repr=False, compare=False)
     _key_table: tuple | None = field(default=None, repr=False, compare=False)
     _folded: object = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
@@ -157,7 +157,7 @@ class ConditionalHeadResidualVQ:
     def scale_level_table(self, device) -> torch.Tensor | None:
         return cached_scale_levels(self, device)
 
-    def truncated(self, num_stages: int) -> "ConditionalHeadResidualVQ":
+    def truncated(self, num_stages: int) -> ConditionalHeadResidualVQ:
         """The same codec at a lower rate: every head keeps its first ``num_stages`` stages (the predictors stay those
         fitted at the full rate)."""
         prefix = ConditionalHeadResidualVQ([codec.truncated(num_stages) for codec in self.head_codecs], self.predictors,
@@ -165,7 +165,7 @@ class ConditionalHeadResidualVQ:
         prefix._table_source = self._table_source or self
         return prefix
 
-    def to(self, device=None, dtype=None) -> "ConditionalHeadResidualVQ":
+    def to(self, device=None, dtype=None) -> ConditionalHeadResidualVQ:
         return ConditionalHeadResidualVQ([codec.to(device, dtype) for codec in self.head_codecs],
                                          self.predictors.to(device=device, dtype=dtype), self.stats)
 

@@ -113,11 +113,11 @@ class KeyPredictedValueVQ:
     def scale_level_table(self, device) -> torch.Tensor | None:
         return self.residual_codec.scale_level_table(device)
 
-    def truncated(self, num_stages: int) -> "KeyPredictedValueVQ":
+    def truncated(self, num_stages: int) -> KeyPredictedValueVQ:
         """The same codec at a lower rate: a prefix of the residual code (the prediction is the full-rate one)."""
         return KeyPredictedValueVQ(self.residual_codec.truncated(num_stages), self.predictor, self.stats)
 
-    def to(self, device=None, dtype=None) -> "KeyPredictedValueVQ":
+    def to(self, device=None, dtype=None) -> KeyPredictedValueVQ:
         return KeyPredictedValueVQ(self.residual_codec.to(device, dtype), self.predictor.to(device=device, dtype=dtype),
                                    self.stats)
 

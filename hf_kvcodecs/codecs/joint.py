@@ -88,7 +88,7 @@ class JointHeadResidualVQ:
     log_scale_range: torch.Tensor | None  # [H, 2] log2 range of the 8-bit per-head scale levels; None: fp16 scales
     stats: dict = field(default_factory=dict)
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    _table_source: "JointHeadResidualVQ | None" = field(default=None, repr=False, compare=False)
+    _table_source: JointHeadResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
 
@@ -151,14 +151,14 @@ class JointHeadResidualVQ:
         """``[H, 256]`` values of the 8-bit per-head scale levels on ``device`` (None for fp16 scales)."""
         return cached_scale_levels(self, device)
 
-    def truncated(self, num_stages: int) -> "JointHeadResidualVQ":
+    def truncated(self, num_stages: int) -> JointHeadResidualVQ:
         """The same codec at a lower rate: the first ``num_stages`` stages of the shape code."""
         prefix = JointHeadResidualVQ(self.shape_codec.truncated(num_stages), self.num_heads, self.log_scale_range,
                                      self.stats)
         prefix._table_source = self._table_source or self
         return prefix
 
-    def to(self, device=None, dtype=None) -> "JointHeadResidualVQ":
+    def to(self, device=None, dtype=None) -> JointHeadResidualVQ:
         return JointHeadResidualVQ(
             self.shape_codec.to(device, dtype), self.num_heads,
             None if self.log_scale_range is None else self.log_scale_range.to(device), self.stats,

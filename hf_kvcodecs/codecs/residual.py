@@ -63,7 +63,7 @@ class TransformResidualVQ:
     synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
     log_scale_range: torch.Tensor | None = None  # [H, 2] log2 (low, high) of 8-bit scales; None: fp16 scales
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
-    _table_source: "TransformResidualVQ | None" = field(default=None, repr=False, compare=False)
+    _table_source: TransformResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
@@ -114,7 +114,7 @@ class TransformResidualVQ:
         """``[H, 256]`` values of the 8-bit scale levels on ``device`` (None for fp16 scales); built once."""
         return cached_scale_levels(self, device)
 
-    def truncated(self, num_stages: int) -> "TransformResidualVQ":
+    def truncated(self, num_stages: int) -> TransformResidualVQ:
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
         if not 0 <= num_stages <= self.num_stages:
             raise ValueError(f"num_stages must be in [0, {self.num_stages}], got {num_stages}.")
@@ -125,7 +125,7 @@ class TransformResidualVQ:
         prefix._table_source = self._table_source or self  # lower rates read a prefix of the same decode table
         return prefix
 
-    def to(self, device=None, dtype=None) -> "TransformResidualVQ":
+    def to(self, device=None, dtype=None) -> TransformResidualVQ:
         move = lambda t: t.to(device=device, dtype=dtype if t.is_floating_point() else None)  # noqa: E731
         return TransformResidualVQ(
             move(self.mean), move(self.basis), self.stage_groups.to(device), move(self.codebooks), self.group_dim, self.stats,

@@ -10,8 +10,8 @@ Two protocols:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm

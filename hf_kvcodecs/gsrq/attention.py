@@ -15,8 +15,15 @@ import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
 from ..kernels import coded_attention
-from ..kernels.cpu import (DecodeConstants, conditional_native_supports, decode_constants, decode_with_constants,
-                           float_key_table_dtype, fuses_value_prediction, native_key_table_dtype)
+from ..kernels.cpu import (
+    DecodeConstants,
+    conditional_native_supports,
+    decode_constants,
+    decode_with_constants,
+    float_key_table_dtype,
+    fuses_value_prediction,
+    native_key_table_dtype,
+)
 from ..kernels.cpu_native import native_ops
 from ..kernels.reference import LOOKUP_MAX_ROWS
 

@@ -22,13 +22,17 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .codebooks import GSRQCodebooks
 from ..codecs.residual import (
-    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, TransformResidualVQ, check_bit_rate, check_encoder_options,
+    DEFAULT_BEAM_WIDTH,
+    DEFAULT_GAIN,
+    TransformResidualVQ,
+    check_bit_rate,
+    check_encoder_options,
 )
 from ..integrations.attention import CODE_LAYER_ATTRIBUTE, attention_implementation, is_code_attention
-from .attention import gsrq_layer_attention, uses_codes
 from ..rope import apply_rope, rotary_cos_sin, shared_rotary_half_table, undo_rope
+from .attention import gsrq_layer_attention, uses_codes
+from .codebooks import GSRQCodebooks
 
 logger = logging.getLogger(__name__)
 
@@ -465,8 +469,8 @@ def load_codebooks(source, *, revision: str | None = None, subfolder: str | None
                              "not to a GSRQCodebooks object.")
         return source
     if isinstance(source, (str, Path)):
-        from .hub import resolve_codebooks
         from .codebooks import METADATA_FILE, TENSORS_FILE
+        from .hub import resolve_codebooks
 
         path = resolve_codebooks(source, revision=revision, subfolder=subfolder).resolve()
         # a directory without the files gets GSRQCodebooks.load's error, which says how to create them

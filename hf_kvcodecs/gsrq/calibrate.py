@@ -10,20 +10,28 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..rope import find_rotary_parameters
+from ..calibration.collect import collect_kv_samples
+from ..calibration.metrics import attention_projections, key_metric, value_metric
 from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
 from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
-from .codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 from ..codecs.joint import fit_joint_head_residual_vq, resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
 from ..codecs.residual import (
-    DEFAULT_BEAM_WIDTH, DEFAULT_GAIN, ENCODER_REVISION, LOG_SCALE_BITS, check_bit_rate, fit_transform_residual_vq, gaussian_rate_distortion_reference,
-    joint_rate_distortion_reference, relative_mse, stages_for_rate,
+    DEFAULT_BEAM_WIDTH,
+    DEFAULT_GAIN,
+    ENCODER_REVISION,
+    LOG_SCALE_BITS,
+    check_bit_rate,
+    fit_transform_residual_vq,
+    gaussian_rate_distortion_reference,
+    joint_rate_distortion_reference,
+    relative_mse,
+    stages_for_rate,
 )
 from ..models import model_fingerprint
+from ..rope import find_rotary_parameters
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
-from ..calibration.collect import collect_kv_samples
-from ..calibration.metrics import attention_projections, key_metric, value_metric
+from .codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
 
 logger = logging.getLogger(__name__)
 

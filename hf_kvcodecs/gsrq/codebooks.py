@@ -180,7 +180,7 @@ class GSRQCodebooks:
 
     @classmethod
     def from_pretrained(cls, source: str | Path, *, revision: str | None = None, subfolder: str | None = None,
-                        token: str | bool | None = None) -> "GSRQCodebooks":
+                        token: str | bool | None = None) -> GSRQCodebooks:
         """Codebooks from a local directory or a Hub repo id (``owner/name``; ``revision`` pins a branch, tag or
         commit, ``subfolder`` reads e.g. the ``kv_codebooks/`` folder of a saved hf_kvcodecs model)."""
         from .hub import resolve_codebooks
@@ -198,7 +198,7 @@ class GSRQCodebooks:
                               create_pr=create_pr, commit_message=commit_message)
 
     @classmethod
-    def load(cls, directory: str | Path) -> "GSRQCodebooks":
+    def load(cls, directory: str | Path) -> GSRQCodebooks:
         directory = Path(directory)
         metadata_path, tensors_path = directory / METADATA_FILE, directory / TENSORS_FILE
         for path in (metadata_path, tensors_path):

@@ -9,12 +9,12 @@ import logging
 import os
 from pathlib import Path
 
-from .codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
 from .calibrate import calibrate_gsrq, fit_gsrq_codebooks
+from .codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 
 logger = logging.getLogger(__name__)
 

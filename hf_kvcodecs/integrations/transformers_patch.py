@@ -12,8 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Mapping
-from typing import Callable
+from collections.abc import Callable, Mapping
 
 from packaging.version import Version
 

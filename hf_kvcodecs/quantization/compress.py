@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
 from ..models import DEFAULT_MODEL_NAME, load_model
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .config import KV_CODEBOOKS_FOLDER, KVCodecsConfig
-from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
 from .modules import dequantized_weight_cache
 from .quantizer import attach_kv_codebooks, quantize_model, quantized_modules
 

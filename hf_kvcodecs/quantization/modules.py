@@ -57,7 +57,7 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
-                    scale_dtype: torch.dtype = torch.float16) -> "PackedLinear":
+                    scale_dtype: torch.dtype = torch.float16) -> PackedLinear:
         """Round-to-nearest quantize a float ``nn.Linear``."""
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
                      symmetric=symmetric, scale_dtype=scale_dtype, device=linear.weight.device, dtype=linear.weight.dtype)
@@ -127,7 +127,7 @@ class FakeQuantLinear(nn.Linear):
         self.weight_offset = None if symmetric else nn.Parameter(torch.empty(out_features, groups, device=device, dtype=dtype))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False) -> "FakeQuantLinear":
+    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False) -> FakeQuantLinear:
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
                      symmetric=symmetric, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():

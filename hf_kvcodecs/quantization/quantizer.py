@@ -28,9 +28,9 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
+from ..gsrq.codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
 from ..gsrq.hub import download_codebooks
 from ..hub import looks_like_repo_id
-from ..gsrq.codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
 from ..integrations.loading import was_loaded_from_checkpoint
 from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
 from .modules import (
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 class QuantizeOnLoad(ConversionOps):
     """Turns a float checkpoint weight into the tensors of the quantized module that replaced its ``nn.Linear``."""
 
-    def __init__(self, hf_quantizer: "KVCodecsHfQuantizer"):
+    def __init__(self, hf_quantizer: KVCodecsHfQuantizer):
         self.hf_quantizer = hf_quantizer
 
     @torch.no_grad()
