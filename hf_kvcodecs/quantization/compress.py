@@ -154,7 +154,7 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
 
     kv_cache = None
     if settings.kv == "gsrq":
-        from ..calibration import calibrate_gsrq
+        from ..gsrq import calibrate_gsrq
 
         step = time.perf_counter()
         with dequantized_weight_cache(model):  # calibration runs many forward passes: dequantize once

@@ -7,24 +7,16 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .kv_artifacts import GSRQ_CODEBOOKS, KV_ARTIFACTS, kv_artifact
 from .rtn import SCALE_DTYPES, check_bits
 
 QUANT_METHOD = "hf_kvcodecs"
 # Bumped whenever a checkpoint written by this version cannot be read correctly by an older hf_kvcodecs.
 FORMAT_VERSION = 1
 MODES = ("packed", "fake")
-KV_CACHE_IMPLEMENTATIONS = ("gsrq",)
 # Where save_pretrained writes the KV codebooks, relative to the checkpoint folder.
-KV_CODEBOOKS_FOLDER = "kv_codebooks"
+KV_CODEBOOKS_FOLDER = GSRQ_CODEBOOKS.folder
 MIN_GROUP_SIZE, MAX_GROUP_SIZE = 8, 8192
-
-
-def _kv_cache_options() -> tuple[str, ...]:
-    from ..gsrq.cache import CACHE_CONFIG_KEYS
-
-    # generate() supplies the model config; a checkpoint carries its own codebooks, so no Hub revision or subfolder
-    return tuple(key for key in CACHE_CONFIG_KEYS if key not in ("config", "codebooks_revision", "codebooks_subfolder",
-                                                                  "rope_inv_freq"))
 
 
 class KVCodecsConfig(QuantizationConfigMixin):
@@ -126,23 +118,22 @@ class KVCodecsConfig(QuantizationConfigMixin):
     def _check_kv_cache(self):
         if self.kv_cache_implementation is None:
             if self.kv_cache_config:
-                raise ValueError("kv_cache_config was given without kv_cache_implementation; set kv_cache_implementation='gsrq'.")
+                raise ValueError("kv_cache_config was given without kv_cache_implementation; set kv_cache_implementation "
+                                 f"to one of {tuple(KV_ARTIFACTS)}.")
             return
-        if self.kv_cache_implementation not in KV_CACHE_IMPLEMENTATIONS:
-            raise ValueError(
-                f"kv_cache_implementation must be one of {KV_CACHE_IMPLEMENTATIONS} or None, got {self.kv_cache_implementation!r}."
-            )
+        kind = kv_artifact(self.kv_cache_implementation)
         options = self.kv_cache_config or {}
-        unknown = sorted(set(options) - set(_kv_cache_options()))
+        unknown = sorted(set(options) - set(kind.cache_options))
         if unknown:
-            raise ValueError(f"Unknown kv_cache_config option(s) {unknown}; valid options: {list(_kv_cache_options())}.")
-        codebooks = options.get("codebooks")
-        if not isinstance(codebooks, (str, os.PathLike)):
+            raise ValueError(f"Unknown kv_cache_config option(s) {unknown}; valid options: {list(kind.cache_options)}.")
+        location = options.get(kind.location_key)
+        if not isinstance(location, (str, os.PathLike)):
             raise ValueError(
-                "kv_cache_implementation='gsrq' needs kv_cache_config={'codebooks': DIR}, where DIR was written by "
+                f"kv_cache_implementation={kind.cache_implementation!r} needs kv_cache_config="
+                f"{{{kind.location_key!r}: DIR}}, where DIR was written by "
                 "`hf-kvcodecs calibrate --model <model> --out DIR` (a path, so that the config can be saved as JSON)."
             )
-        self.kv_cache_config = {**options, "codebooks": os.fspath(codebooks)}
+        self.kv_cache_config = {**options, kind.location_key: os.fspath(location)}
 
     @property
     def quantizes_weights(self) -> bool:

@@ -13,6 +13,8 @@ import logging
 from pathlib import Path
 
 from ..hub import templates_dir
+from .config import QUANT_METHOD
+from .kv_artifacts import kv_artifact
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +118,6 @@ def push_compressed_model(directory: str | Path, repo_id: str, *, token: str | N
 
 def check_saved_model(directory: Path) -> dict:
     """The ``quantization_config`` of a saved hf_kvcodecs model folder; a clear error if something is missing."""
-    from ..gsrq.codebooks import METADATA_FILE, TENSORS_FILE
-    from .config import QUANT_METHOD
-
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{directory} holds no config.json: save the model there with model.save_pretrained first.")
@@ -128,11 +127,12 @@ def check_saved_model(directory: Path) -> dict:
     if not any(directory.glob("*.safetensors")):
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights.")
     if quantization.get("kv_cache_implementation"):
-        codebooks = directory / quantization["kv_cache_config"]["codebooks"]
-        missing = [name for name in (METADATA_FILE, TENSORS_FILE) if not (codebooks / name).is_file()]
+        kind = kv_artifact(quantization["kv_cache_implementation"])
+        folder = directory / quantization["kv_cache_config"][kind.location_key]
+        missing = [name for name in kind.files if not (folder / name).is_file()]
         if missing:
             raise FileNotFoundError(
-                f"{codebooks} lacks {', '.join(missing)}: the KV codebooks this model needs would not be uploaded. "
+                f"{folder} lacks {', '.join(missing)}: the {kind.description} this model needs would not be uploaded. "
                 "Save the model with model.save_pretrained (with hf_kvcodecs imported) to write them."
             )
     return quantization

@@ -6,20 +6,19 @@ weights load (a float checkpoint goes through :class:`QuantizeOnLoad`; a quantiz
 directly) → ``generation_config.json`` is read → ``_process_model_after_weight_loading`` (find and check the KV
 codebooks, make GSRQ the default cache of ``generate()``).
 
-Saving: transformers' ``save_pretrained`` only writes config, generation config and weights, so a model with KV
-codebooks gets an instance-level ``save_pretrained`` that also writes them to ``kv_codebooks/`` (safetensors +
-JSON) and stores that relative location in ``config.json`` and ``generation_config.json``. ``push_to_hub`` and
-``Trainer`` checkpoints call ``save_pretrained``, so the codebooks travel with every copy of the model.
+Saving: transformers' ``save_pretrained`` only writes config, generation config and weights, so a model with a KV
+artifact (``kv_artifacts``: GSRQ's codebooks) gets an instance-level ``save_pretrained``
+(``integrations.loading.install_save_extension``) that also writes it to its folder (``kv_codebooks/``: safetensors
++ JSON) and stores that relative location in ``config.json`` and ``generation_config.json``. ``push_to_hub`` and
+``Trainer`` checkpoints call ``save_pretrained``, so the artifact travels with every copy of the model.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import shutil
 import tempfile
-import types
 import weakref
 from pathlib import Path, PurePosixPath
 
@@ -28,11 +27,16 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
-from ..gsrq.codebooks import METADATA_FILE, CodebookFileError, GSRQCodebooks
-from ..gsrq.hub import download_codebooks
+from ..gsrq.codebooks import GSRQCodebooks
 from ..hub import looks_like_repo_id
-from ..integrations.loading import was_loaded_from_checkpoint
-from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
+from ..integrations.loading import (
+    install_save_extension,
+    keep_in_fp32_modules,
+    remove_save_extension,
+    was_loaded_from_checkpoint,
+)
+from .config import FORMAT_VERSION, QUANT_METHOD, KVCodecsConfig
+from .kv_artifacts import GSRQ_CODEBOOKS, KVArtifact, kv_artifact
 from .modules import (
     QUANTIZED_LINEAR_TYPES,
     FakeQuantLinear,
@@ -76,7 +80,8 @@ class QuantizeOnLoad(ConversionOps):
 
 
 class KVCodecsHfQuantizer(HfQuantizer):
-    """Quantizer behind ``quant_method="hf_kvcodecs"``: packed or fake-quant weights, plus the GSRQ KV cache default."""
+    """Quantizer behind ``quant_method="hf_kvcodecs"``: packed or fake-quant weights, plus a default KV cache whose
+    fitted artifact (GSRQ codebooks) travels with the checkpoint."""
 
     requires_calibration = False
 
@@ -84,8 +89,8 @@ class KVCodecsHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
         self.checkpoint_files: list[str] = []
-        self.kv_codebooks: GSRQCodebooks | None = None
-        self.kv_codebooks_dir: Path | None = None  # local, absolute; what generation_config.cache_config points to
+        self.kv_artifact = None  # the loaded artifact of the config's kv_cache_implementation (GSRQCodebooks)
+        self.kv_artifact_dir: Path | None = None  # local, absolute; what generation_config.cache_config points to
 
     # ---- capabilities -------------------------------------------------------------------------------------------
     def is_serializable(self, *args, **kwargs) -> bool:
@@ -125,7 +130,7 @@ class KVCodecsHfQuantizer(HfQuantizer):
         if not config.quantizes_weights:
             return model
         self.modules_to_not_convert = self.get_modules_to_not_convert(
-            model, config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+            model, config.modules_to_not_convert, keep_in_fp32_modules(model)
         )
         names = linear_layers_to_convert(model, config, self.modules_to_not_convert)
         for name in names:
@@ -146,42 +151,46 @@ class KVCodecsHfQuantizer(HfQuantizer):
         return None, {"quant_method": QUANT_METHOD, "hf_kvcodecs_format_version": str(FORMAT_VERSION)}
 
     # ---- KV cache -------------------------------------------------------------------------------------------------
+    @property
+    def kv_artifact_kind(self) -> KVArtifact | None:
+        implementation = self.quantization_config.kv_cache_implementation
+        return None if implementation is None else kv_artifact(implementation)
+
     def activate_kv_cache(self, model, *, override: bool = False) -> None:
-        """Load and check the KV codebooks named in the config and make them ``generate()``'s default cache.
+        """Load and check the KV artifact named in the config and make its cache ``generate()``'s default.
 
         The model's generation config keeps a cache implementation set by the user or the checkpoint, unless it is
-        already GSRQ with these codebooks or ``override`` is set.
+        already this one with this artifact or ``override`` is set.
         """
-        from ..gsrq.cache import GSRQCache, load_codebooks
-
+        kind = self.kv_artifact_kind
         config = self.quantization_config
-        location = config.kv_cache_config["codebooks"]
-        directory = resolve_codebooks_dir(location, pre_quantized=self.pre_quantized,
-                                          name_or_path=getattr(model.config, "_name_or_path", None),
-                                          checkpoint_files=self.checkpoint_files)
-        codebooks = load_codebooks(directory)
-        options = {key: value for key, value in config.kv_cache_config.items() if key != "codebooks"}
-        try:  # building one cache checks the codebooks against the model and every option, at load time
-            GSRQCache(model.config.get_text_config(decoder=True), codebooks=codebooks, **options)
+        location = config.kv_cache_config[kind.location_key]
+        directory = resolve_artifact_dir(kind, location, pre_quantized=self.pre_quantized,
+                                         name_or_path=getattr(model.config, "_name_or_path", None),
+                                         checkpoint_files=self.checkpoint_files)
+        artifact = kind.load(directory)
+        options = {key: value for key, value in config.kv_cache_config.items() if key != kind.location_key}
+        try:  # building one cache checks the artifact against the model and every option, at load time
+            kind.build_cache(model.config.get_text_config(decoder=True), artifact, **options)
         except ValueError as error:
             raise ValueError(
-                f"The KV cache settings of this hf_kvcodecs model do not work with it (codebooks: {directory}): {error}"
+                f"The KV cache settings of this hf_kvcodecs model do not work with it ({kind.description}: "
+                f"{directory}): {error}"
             ) from error
-        self.kv_codebooks, self.kv_codebooks_dir = codebooks, directory
+        self.kv_artifact, self.kv_artifact_dir = artifact, directory
         if model.can_generate():
-            _point_generation_config_at(model.generation_config, location, directory, options, override)
-        _install_save_hook(model)
+            _point_generation_config_at(kind, model.generation_config, location, directory, options, override)
+        install_save_extension(model, _KVArtifactSaving())
 
     def deactivate_kv_cache(self, model) -> None:
+        kind = self.kv_artifact_kind
         generation_config = getattr(model, "generation_config", None)
-        if generation_config is not None and generation_config.cache_implementation == "gsrq" and _same_directory(
-            (generation_config.cache_config or {}).get("codebooks"), self.kv_codebooks_dir
-        ):
+        if kind is not None and generation_config is not None and _names_artifact(
+                kind, generation_config, self.kv_artifact_dir):
             generation_config.cache_implementation = None
             generation_config.cache_config = None
-        self.kv_codebooks = self.kv_codebooks_dir = None
-        if "save_pretrained" in model.__dict__:
-            del model.save_pretrained
+        self.kv_artifact = self.kv_artifact_dir = None
+        remove_save_extension(model)
 
     # ---- conversions ----------------------------------------------------------------------------------------------
     def _dequantize(self, model, dtype=None):
@@ -190,9 +199,11 @@ class KVCodecsHfQuantizer(HfQuantizer):
         for name, module in list(model.named_modules()):
             if isinstance(module, QUANTIZED_LINEAR_TYPES):
                 model.set_submodule(name, module.to_linear(dtype))
-        if self.kv_codebooks is not None:
-            logger.info("model.dequantize(): generate() no longer defaults to the GSRQ cache; pass "
-                        "cache_implementation='gsrq', cache_config={'codebooks': %r} to keep using it.", str(self.kv_codebooks_dir))
+        if self.kv_artifact is not None:
+            kind = self.kv_artifact_kind
+            logger.info("model.dequantize(): generate() no longer defaults to the %s cache; pass "
+                        "cache_implementation=%r, cache_config={%r: %r} to keep using it.", kind.cache_implementation,
+                        kind.cache_implementation, kind.location_key, str(self.kv_artifact_dir))
         self.deactivate_kv_cache(model)
         return model
 
@@ -225,13 +236,13 @@ def _check_quantized_tensors_loaded(model) -> None:
         )
 
 
-def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: str | None,
-                          checkpoint_files: list[str]) -> Path:
-    """Local directory of the KV codebooks.
+def resolve_artifact_dir(kind: KVArtifact, location: str, *, pre_quantized: bool, name_or_path: str | None,
+                         checkpoint_files: list[str]) -> Path:
+    """Local directory of a checkpoint's KV artifact.
 
     A checkpoint stores ``location`` relative to itself (``"kv_codebooks"``): it is looked up next to the weight
     files, then downloaded from the Hub repo the model came from. A path given by the user (quantizing while loading)
-    is relative to the working directory, or else the id of a Hub repo holding codebooks.
+    is relative to the working directory, or else the id of a Hub repo holding the artifact.
     """
     path = Path(location).expanduser()
     if path.is_absolute() or not pre_quantized:
@@ -242,28 +253,35 @@ def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: s
             roots.append(Path(name_or_path))
         candidates = [root / path for root in roots]
     for candidate in candidates:
-        if (candidate / METADATA_FILE).is_file():
+        if (candidate / kind.files[0]).is_file():
             return candidate.resolve()
     if pre_quantized and not path.is_absolute() and name_or_path and not Path(name_or_path).exists():
-        return _download_codebooks(name_or_path, PurePosixPath(location), checkpoint_files)
-    if not pre_quantized and looks_like_repo_id(location):  # codebooks pushed on their own (push-codebooks)
-        return download_codebooks(location)
+        return _download_artifact(kind, name_or_path, PurePosixPath(location), checkpoint_files)
+    if not pre_quantized and looks_like_repo_id(location):  # an artifact pushed on its own (push-codebooks)
+        return kind.download(location)
     where = ", ".join(str(c) for c in candidates) or str(path)
-    raise CodebookFileError(
-        f"The KV codebooks of this hf_kvcodecs model ({location!r}) are missing: no {METADATA_FILE} in {where}. A "
-        f"saved model keeps them in its {KV_CODEBOOKS_FOLDER}/ folder: copy or upload the whole folder written by "
+    raise kind.file_error(
+        f"The {kind.description} of this hf_kvcodecs model ({location!r}) are missing: no {kind.files[0]} in {where}. "
+        f"A saved model keeps them in its {kind.folder}/ folder: copy or upload the whole folder written by "
         "save_pretrained, or pass an existing codebook directory (`hf-kvcodecs calibrate --out DIR`)."
     )
 
 
-def _download_codebooks(repo_id: str, folder: PurePosixPath, checkpoint_files: list[str]) -> Path:
-    # The weights were resolved to .../snapshots/<commit>/...: fetch the codebooks of that same commit.
+def resolve_codebooks_dir(location: str, *, pre_quantized: bool, name_or_path: str | None,
+                          checkpoint_files: list[str]) -> Path:
+    """Local directory of a checkpoint's GSRQ codebooks (:func:`resolve_artifact_dir` for them)."""
+    return resolve_artifact_dir(GSRQ_CODEBOOKS, location, pre_quantized=pre_quantized, name_or_path=name_or_path,
+                                checkpoint_files=checkpoint_files)
+
+
+def _download_artifact(kind: KVArtifact, repo_id: str, folder: PurePosixPath, checkpoint_files: list[str]) -> Path:
+    # The weights were resolved to .../snapshots/<commit>/...: fetch the artifact of that same commit.
     revision = None
     if checkpoint_files:
         snapshot = Path(checkpoint_files[0]).parent
         if snapshot.parent.name == "snapshots":
             revision = snapshot.name
-    return download_codebooks(repo_id, revision=revision, subfolder=str(folder)).resolve()
+    return kind.download(repo_id, revision=revision, subfolder=str(folder)).resolve()
 
 
 def _same_directory(reference, directory) -> bool:
@@ -275,73 +293,63 @@ def _same_directory(reference, directory) -> bool:
         return False
 
 
-def _point_generation_config_at(generation_config, location: str, directory: Path, options: dict, override: bool) -> None:
+def _names_artifact(kind: KVArtifact, generation_config, directory) -> bool:
+    """Whether ``generation_config`` selects this cache implementation with the artifact in ``directory``."""
+    return (generation_config.cache_implementation == kind.cache_implementation
+            and isinstance(generation_config.cache_config, dict)
+            and _same_directory(generation_config.cache_config.get(kind.location_key), directory))
+
+
+def _point_generation_config_at(kind: KVArtifact, generation_config, location: str, directory: Path, options: dict,
+                                override: bool) -> None:
     current = generation_config.cache_implementation
-    cache_config = dict(generation_config.cache_config or {}) if current == "gsrq" else {}
-    ours = current == "gsrq" and (cache_config.get("codebooks") in (None, location) or _same_directory(cache_config.get("codebooks"), directory))
+    ours_implementation = current == kind.cache_implementation
+    cache_config = dict(generation_config.cache_config or {}) if ours_implementation else {}
+    named = cache_config.get(kind.location_key)
+    ours = ours_implementation and (named in (None, location) or _same_directory(named, directory))
     if current is None or ours or override:
         # Options saved in generation_config.json (or set by the user) win over the quantization config's defaults.
-        merged = {**options, **({} if override or not ours else cache_config), "codebooks": str(directory)}
-        generation_config.cache_implementation = "gsrq"
+        merged = {**options, **({} if override or not ours else cache_config), kind.location_key: str(directory)}
+        generation_config.cache_implementation = kind.cache_implementation
         generation_config.cache_config = merged
     else:
-        logger.info("hf_kvcodecs: keeping generation_config.cache_implementation=%r; pass cache_implementation='gsrq' "
-                    "to generate() to use the model's KV codebooks.", current)
+        logger.info("hf_kvcodecs: keeping generation_config.cache_implementation=%r; pass cache_implementation=%r "
+                    "to generate() to use the model's %s.", current, kind.cache_implementation, kind.description)
 
 
-# ---- save_pretrained with the KV codebooks ----------------------------------------------------------------------
-def _install_save_hook(model) -> None:
-    current = model.__dict__.get("save_pretrained")
-    if getattr(current, "__func__", None) is _save_pretrained_with_kv_codebooks:
-        return
-    model.save_pretrained = types.MethodType(_save_pretrained_with_kv_codebooks, model)
+class _KVArtifactSaving:
+    """``save_pretrained`` of a model with a KV artifact: the artifact goes into ``save_directory/<folder>``."""
 
-
-def _save_pretrained_with_kv_codebooks(self, save_directory, *args, **kwargs):
-    """``PreTrainedModel.save_pretrained``, plus the KV codebooks in ``save_directory/kv_codebooks``."""
-    save = type(self).save_pretrained
-    quantizer = getattr(self, "hf_quantizer", None)
-    codebooks = getattr(quantizer, "kv_codebooks", None)
-    if codebooks is None:
-        return save(self, save_directory, *args, **kwargs)
-    bound = inspect.signature(save).bind(self, save_directory, *args, **kwargs)
-    extra = next((bound.arguments.setdefault(p.name, {}) for p in inspect.signature(save).parameters.values()
-                  if p.kind is inspect.Parameter.VAR_KEYWORD), {})
-    push_to_hub = bound.arguments.get("push_to_hub", False)
-    # transformers uploads inside save_pretrained, before the codebooks below exist; push a complete copy afterwards.
-    bound.arguments["push_to_hub"] = False
-    hub_options = {key: extra.pop(key) for key in ("repo_id", "commit_message", "commit_description", "create_pr",
-                                                   "private", "revision", "tags") if key in extra}
-    with _codebooks_referenced_as(self, quantizer, KV_CODEBOOKS_FOLDER):
-        result = save(*bound.args, **bound.kwargs)
-    if bound.arguments.get("is_main_process", True):
-        codebooks.save(Path(save_directory) / KV_CODEBOOKS_FOLDER)
-    if push_to_hub:
-        repo_id = hub_options.pop("repo_id", Path(save_directory).name)
-        self.push_to_hub(repo_id, token=bound.arguments.get("token"), **hub_options)
-    return result
-
-
-@contextlib.contextmanager
-def _codebooks_referenced_as(model, quantizer, reference: str):
-    """While saving, config.json and generation_config.json name the codebooks by their place in the checkpoint,
-    not by this machine's path."""
-    kv_cache_config = quantizer.quantization_config.kv_cache_config
-    generation_config = getattr(model, "generation_config", None)
-    cache_config = None
-    if generation_config is not None and generation_config.cache_implementation == "gsrq" and isinstance(generation_config.cache_config, dict):
-        if _same_directory(generation_config.cache_config.get("codebooks"), quantizer.kv_codebooks_dir):
+    @contextlib.contextmanager
+    def saving(self, model):
+        """While saving, config.json and generation_config.json name the artifact by its place in the checkpoint,
+        not by this machine's path."""
+        quantizer = getattr(model, "hf_quantizer", None)
+        if getattr(quantizer, "kv_artifact", None) is None:
+            yield
+            return
+        kind = quantizer.kv_artifact_kind
+        kv_cache_config = quantizer.quantization_config.kv_cache_config
+        generation_config = getattr(model, "generation_config", None)
+        cache_config = None
+        if generation_config is not None and _names_artifact(kind, generation_config, quantizer.kv_artifact_dir):
             cache_config = generation_config.cache_config
-    saved_kv, saved_generation = kv_cache_config["codebooks"], None if cache_config is None else cache_config["codebooks"]
-    kv_cache_config["codebooks"] = reference
-    if cache_config is not None:
-        cache_config["codebooks"] = reference
-    try:
-        yield
-    finally:
-        kv_cache_config["codebooks"] = saved_kv
+        saved_kv = kv_cache_config[kind.location_key]
+        saved_generation = None if cache_config is None else cache_config[kind.location_key]
+        kv_cache_config[kind.location_key] = kind.folder
         if cache_config is not None:
-            cache_config["codebooks"] = saved_generation
+            cache_config[kind.location_key] = kind.folder
+        try:
+            yield
+        finally:
+            kv_cache_config[kind.location_key] = saved_kv
+            if cache_config is not None:
+                cache_config[kind.location_key] = saved_generation
+
+    def write(self, model, save_directory: Path) -> None:
+        quantizer = getattr(model, "hf_quantizer", None)
+        if getattr(quantizer, "kv_artifact", None) is not None:
+            quantizer.kv_artifact.save(save_directory / quantizer.kv_artifact_kind.folder)
 
 
 # ---- in-memory API ---------------------------------------------------------------------------------------------
@@ -362,7 +370,7 @@ def quantize_model(model, quantization_config: KVCodecsConfig | dict):
     quantizer = KVCodecsHfQuantizer(quantization_config, pre_quantized=False)
     if quantization_config.quantizes_weights:
         quantizer.modules_to_not_convert = quantizer.get_modules_to_not_convert(
-            model, quantization_config.modules_to_not_convert, getattr(model, "_keep_in_fp32_modules", None)
+            model, quantization_config.modules_to_not_convert, keep_in_fp32_modules(model)
         )
         for name in linear_layers_to_convert(model, quantization_config, quantizer.modules_to_not_convert):
             model.set_submodule(name, quantized_from_linear(model.get_submodule(name), quantization_config))
@@ -397,7 +405,8 @@ def attach_kv_codebooks(model, codebooks: GSRQCodebooks | str | Path, **cache_op
         directory = Path(codebooks).expanduser().resolve()
     config = quantizer.quantization_config
     previous = (config.kv_cache_implementation, config.kv_cache_config)
-    config.kv_cache_implementation, config.kv_cache_config = "gsrq", {**cache_options, "codebooks": str(directory)}
+    config.kv_cache_implementation = GSRQ_CODEBOOKS.cache_implementation
+    config.kv_cache_config = {**cache_options, GSRQ_CODEBOOKS.location_key: str(directory)}
     try:
         config.post_init()
         quantizer.activate_kv_cache(model, override=True)
