@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import DEFAULT_BEAM_WIDTH
+from ..evaluation import decode_logprobs, divergence_metrics, perplexity_metrics, token_nll
 from ..gsrq import GSRQCache
 from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
@@ -42,12 +43,9 @@ from ..models import LoadedModel, model_fingerprint
 from ..rope import model_rope_inv_freq
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .harness import (
-    _decode_step,
-    _environment,
-    _perplexity_metrics,
-    _prefill,
     check_group_sizes,
     full_precision_method,
+    run_environment,
     shipped_baselines,
 )
 from .memory import cache_bytes, shared_storages
@@ -231,7 +229,7 @@ def run_decode_benchmark(loaded: LoadedModel, *, contexts=DECODE_CONTEXTS, steps
     return {
         "model": loaded.description, "text": corpus.description, "contexts": list(contexts), "steps": steps,
         "repeats": repeats, "memory_steps": memory_steps, "threads": torch.get_num_threads(), "rows": rows,
-        "environment": _environment(), "seconds": round(time.perf_counter() - started, 1),
+        "environment": run_environment(), "seconds": round(time.perf_counter() - started, 1),
     }
 
 
@@ -246,26 +244,17 @@ def _decode_quality(models, methods, token_ids, *, context=QUALITY["context"], c
     span = context + continuation + 1
     first = token_ids.numel() - windows * span
     spans = [token_ids[first + i * span: first + (i + 1) * span] for i in range(windows)]
-    reference_rows, results = None, {}
+    reference_rows, reference_nlls, results = None, None, {}
     for method in tqdm(methods, desc="decode quality", disable=not progress):  # the reference comes first
-        model, rows, nlls, kls, top1 = models[method.precision], [], [], [], []
+        model, rows, nlls = models[method.precision], [], []
         with torch.inference_mode():
-            for index, window in enumerate(spans):
-                cache = method.make_cache(model)
-                _prefill(model, cache, window[:context])
-                logprobs = torch.stack([torch.log_softmax(_decode_step(model, cache, token), dim=-1)
-                                        for token in window[context:-1]])
-                nlls.append(-logprobs.gather(1, window[context + 1:, None]).squeeze(1).double())
-                rows.append(logprobs)
-                if reference_rows is not None:
-                    reference = reference_rows[index]
-                    kls.append((reference.exp() * (reference - logprobs)).sum(-1).double())
-                    top1.append((reference.argmax(-1) == logprobs.argmax(-1)).double())
-        metrics = _perplexity_metrics(nlls, reference_rows, spans, context)
-        metrics["kl_mean"] = torch.cat(kls).mean().item() if kls else 0.0
-        metrics["top1_agreement"] = torch.cat(top1).mean().item() if top1 else 1.0
+            for window in spans:
+                rows.append(decode_logprobs(model, method.make_cache(model), window, context))
+                nlls.append(token_nll(rows[-1], window[context + 1:]))
+        metrics = perplexity_metrics(nlls, reference_nlls)
+        metrics.update(divergence_metrics(rows, reference_rows))
         if reference_rows is None:
-            reference_rows = rows
+            reference_rows, reference_nlls = rows, nlls
         results[method.name] = {k: v for k, v in metrics.items() if not k.startswith("window_")}
     return results
 

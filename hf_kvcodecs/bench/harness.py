@@ -31,8 +31,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache
 
-from hf_kvcodecs.bench.memory import cache_bytes, shared_storages
-from hf_kvcodecs.models import model_fingerprint
+from ..evaluation import (
+    decode_logprobs,
+    decode_step,
+    divergence_metrics,
+    perplexity_metrics,
+    prefill,
+    strided_windows,
+    token_nll,
+)
+from ..models import model_fingerprint
+from .memory import cache_bytes, shared_storages
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +256,7 @@ def evaluate_methods(
     speed_contexts = _fitting(speed_contexts, len(eval_token_ids) - speed_tokens, "speed context", adjustments)
     passkey_lengths = _fitting(passkey_lengths, len(eval_token_ids), "pass-key length", adjustments)
 
-    windows, window_starts = _evaluation_windows(eval_token_ids, n_windows, context_len + continuation_len + 1)
+    windows, window_starts = strided_windows(eval_token_ids, n_windows, context_len + continuation_len + 1)
     generator = torch.Generator().manual_seed(seed)
     plan = _QualityPlan(
         windows=windows,
@@ -316,7 +325,7 @@ def evaluate_methods(
         "adjustments": adjustments,
         "reference": reference.name,
         "checks": {"fp_decode_vs_full_forward_max_abs_logprob_diff": decode_check},
-        "environment": _environment(),
+        "environment": run_environment(),
         "methods": [entries[method.name] for method in methods],
         "elapsed_seconds": round(time.perf_counter() - started, 1),
     }
@@ -422,36 +431,12 @@ def _fitting(lengths: list[int], available: int, what: str, adjustments: list[st
     return [n for n in lengths if n <= available]
 
 
-def _evaluation_windows(token_ids: torch.Tensor, n_windows: int, span: int) -> tuple[list[torch.Tensor], list[int]]:
-    """``n_windows`` non-overlapping spans spread evenly over the text, so they cover different documents."""
-    if n_windows < 1:
-        raise ValueError("n_windows must be at least 1.")
-    if n_windows * span > len(token_ids):
-        raise ValueError(
-            f"{n_windows} windows of {span} tokens need {n_windows * span} tokens; the evaluation text has "
-            f"{len(token_ids)}. Use a longer text, fewer windows or a shorter context."
-        )
-    stride = (len(token_ids) - span) // max(n_windows - 1, 1)
-    starts = [index * stride for index in range(n_windows)]
-    return [token_ids[start : start + span] for start in starts], starts
-
-
-def _prefill(model, cache: Cache, token_ids: torch.Tensor) -> None:
-    model(token_ids[None], cache=cache, use_cache=True, logits_to_keep=1)
-
-
-def _decode_step(model, cache: Cache, token_id) -> torch.Tensor:
-    """One single-token forward through the cache; the next-token logits (float32)."""
-    step = torch.as_tensor(token_id, dtype=torch.long).reshape(1, 1)
-    return model(step, cache=cache, use_cache=True).logits[0, -1].float()
-
-
 def _warm_up(model, method: CacheMethod, token_ids: torch.Tensor) -> Cache:
     """Exercise prefill and decode once; the cache is kept as the second cache of the shared-table check."""
     cache = method.make_cache(model)
-    _prefill(model, cache, token_ids)
+    prefill(model, cache, token_ids)
     for token_id in token_ids[:_WARM_UP_DECODE_STEPS]:
-        _decode_step(model, cache, token_id)
+        decode_step(model, cache, token_id)
     return cache
 
 
@@ -462,78 +447,33 @@ def _teacher_forced(model, method, plan, reference_logprobs, warm_cache):
     others are compared against. Memory is measured on the first window, after prefill and after the continuation.
     """
     context_len = plan.context_len
-    nlls, kls, top1_matches, memory, all_logprobs = [], [], [], {}, []
+    nlls, all_logprobs, memory = [], [], {}
+
+    def measure_after_prefill(cache):
+        shared = shared_storages(cache, warm_cache)
+        memory["shared_bytes"] = sum(shared.values())
+        memory["after_prefill"] = _memory_point(cache, context_len, shared, plan.elements_per_token)
+
     windows = tqdm(plan.windows, desc=f"{method.name}: perplexity", disable=not plan.progress)
     for window_index, window in enumerate(windows):
         cache = method.make_cache(model)
-        _prefill(model, cache, window[:context_len])
-        continuation = window[context_len:-1]
-        if window_index == 0:
-            shared = shared_storages(cache, warm_cache)
-            memory["shared_bytes"] = sum(shared.values())
-            memory["after_prefill"] = _memory_point(cache, context_len, shared, plan.elements_per_token)
-        logprobs = torch.stack(
-            [torch.log_softmax(_decode_step(model, cache, token_id), dim=-1) for token_id in continuation]
-        )
+        logprobs = decode_logprobs(model, cache, window, context_len,
+                                   after_prefill=measure_after_prefill if window_index == 0 else None)
         if window_index == 0:
             # Again after decoding: per-model tables built lazily by the first decode step (e.g. code-reading
             # attention's folded key tables) are reachable from the warm-up cache too, so they count as shared.
             shared = shared_storages(cache, warm_cache)
             memory["shared_bytes"] = sum(shared.values())
-            memory["after_decode"] = _memory_point(
-                cache, context_len + len(continuation), shared, plan.elements_per_token
-            )
+            memory["after_decode"] = _memory_point(cache, len(window) - 1, shared, plan.elements_per_token)
         del cache
-        targets = window[context_len + 1 :]
-        nlls.append(-logprobs.gather(1, targets[:, None]).squeeze(1).double())
-        if reference_logprobs is None:
-            all_logprobs.append(logprobs)
-        else:
-            reference_rows = reference_logprobs[window_index]
-            kls.append((reference_rows.exp() * (reference_rows - logprobs)).sum(-1).double())
-            top1_matches.append((reference_rows.argmax(-1) == logprobs.argmax(-1)).double())
-    metrics = _perplexity_metrics(nlls, reference_logprobs, plan.windows, context_len)
-    if kls:
-        metrics["kl_mean"] = torch.cat(kls).mean().item()
-        metrics["top1_agreement"] = torch.cat(top1_matches).mean().item()
-        # per window, for comparisons paired by window between two methods (report.paired_comparisons)
-        metrics["window_kl"] = [kl.mean().item() for kl in kls]
-    else:  # the reference compared with itself
-        metrics["kl_mean"] = 0.0
-        metrics["top1_agreement"] = 1.0
-        metrics["window_kl"] = [0.0] * len(nlls)
-    return metrics, memory, all_logprobs
-
-
-def _perplexity_metrics(nlls, reference_logprobs, windows, context_len) -> dict:
-    window_nll = torch.stack([nll.mean() for nll in nlls])
-    metrics = {
-        "scored_tokens": sum(len(nll) for nll in nlls),
-        "ppl": math.exp(torch.cat(nlls).mean().item()),
-        "window_ppl": [math.exp(value) for value in window_nll.tolist()],
-        "window_nll": window_nll.tolist(),
-    }
-    if reference_logprobs is None:
-        metrics.update(delta_ppl_pct=0.0, delta_ppl_pct_se=0.0, window_delta_ppl_pct=[0.0] * len(nlls))
-        return metrics
-    reference_nll = torch.stack(
-        [
-            -rows.gather(1, window[context_len + 1 :, None]).squeeze(1).double().mean()
-            for rows, window in zip(reference_logprobs, windows)
-        ]
-    )
-    # Windows score equally many tokens, so the mean paired NLL difference is exactly the pooled log-ppl ratio.
-    differences = window_nll - reference_nll
-    mean_difference = differences.mean().item()
-    ratio = math.exp(mean_difference)
-    standard_error = differences.std().item() / math.sqrt(len(differences)) if len(differences) > 1 else None
-    metrics.update(
-        delta_ppl_pct=100.0 * (ratio - 1.0),
-        # delta method: d(100 * exp(x)) = 100 * exp(x) dx
-        delta_ppl_pct_se=None if standard_error is None else 100.0 * ratio * standard_error,
-        window_delta_ppl_pct=[100.0 * (math.exp(value) - 1.0) for value in differences.tolist()],
-    )
-    return metrics
+        nlls.append(token_nll(logprobs, window[context_len + 1 :]))
+        all_logprobs.append(logprobs)
+    reference_nlls = None if reference_logprobs is None else [
+        token_nll(rows, window[context_len + 1 :]) for rows, window in zip(reference_logprobs, plan.windows)]
+    metrics = perplexity_metrics(nlls, reference_nlls)
+    # window_kl: per window, for comparisons paired by window between two methods (report.paired_comparisons)
+    metrics.update(divergence_metrics(all_logprobs, reference_logprobs))
+    return metrics, memory, all_logprobs if reference_logprobs is None else []
 
 
 def _memory_point(cache, tokens: int, shared: dict, elements_per_token: int) -> dict:
@@ -623,14 +563,14 @@ def _passkey_answers(model, tokenizer, method, cases, answer_tokens, progress) -
     answers = []
     for case in tqdm(cases, desc=f"{method.name}: pass key", disable=not progress):
         cache = method.make_cache(model)
-        _prefill(model, cache, case.prompt_ids)
+        prefill(model, cache, case.prompt_ids)
         for token_id in question:
-            logits = _decode_step(model, cache, token_id)
+            logits = decode_step(model, cache, token_id)
         answer = []
         for step in range(answer_tokens):
             answer.append(int(logits.argmax()))
             if step + 1 < answer_tokens:
-                logits = _decode_step(model, cache, answer[-1])
+                logits = decode_step(model, cache, answer[-1])
         answers.append(tokenizer.decode(answer, skip_special_tokens=True))
     return answers
 
@@ -709,16 +649,16 @@ def _decode_speed(model, methods, reference, token_ids, context, n_tokens, repea
 
 def _timed_decode(model, method, prompt, continuation) -> list[float]:
     cache = method.make_cache(model)
-    _prefill(model, cache, prompt)  # untimed
+    prefill(model, cache, prompt)  # untimed
     steps = []
     for token_id in continuation:
         step_started = time.perf_counter()
-        _decode_step(model, cache, token_id)
+        decode_step(model, cache, token_id)
         steps.append(time.perf_counter() - step_started)
     return steps
 
 
-def _environment() -> dict:
+def run_environment() -> dict:
     versions = {}
     for package in ("torch", "transformers", "optimum-quanto", "hqq", "tokenizers"):
         try:

@@ -52,7 +52,7 @@ def markdown_report(results: dict) -> str:
         f"- Speed: {settings['speed_tokens']} decode steps timed after an untimed prefill, median of "
         f"{settings['speed_repeats']} interleaved repeats, ratio to the reference from the same run",
         f"- Check: reference decode loop vs one no-cache forward, max |Δ log p| = "
-        f"{_number(results['checks'].get('fp_decode_vs_full_forward_max_abs_logprob_diff'), '.1e')}",
+        f"{format_number(results['checks'].get('fp_decode_vs_full_forward_max_abs_logprob_diff'), '.1e')}",
         f"- {results['environment']['date']}; {versions}; Python {results['environment']['python']}; "
         f"{settings['torch_threads']} torch threads; {results['elapsed_seconds']:.0f} s in all",
     ]
@@ -198,15 +198,15 @@ def _row(entry: dict, speed_contexts: list[int], width: int) -> list[str]:
     cells = [
         entry["name"] + (f" (failed: {entry['error']})".replace("|", "/") if "error" in entry else ""),
         entry["family"],
-        _number(memory.get("after_prefill", {}).get("bits_per_element"), ".2f"),
-        _number(memory.get("after_decode", {}).get("bits_per_element"), ".2f"),
-        _number(memory["shared_bytes"] / 2**20, ".2f") if "shared_bytes" in memory else MISSING,
-        _number(perplexity.get("ppl"), ".3f"),
+        format_number(memory.get("after_prefill", {}).get("bits_per_element"), ".2f"),
+        format_number(memory.get("after_decode", {}).get("bits_per_element"), ".2f"),
+        format_number(memory["shared_bytes"] / 2**20, ".2f") if "shared_bytes" in memory else MISSING,
+        format_number(perplexity.get("ppl"), ".3f"),
         _with_error(perplexity.get("delta_ppl_pct"), perplexity.get("delta_ppl_pct_se")),
-        _number(perplexity.get("kl_mean"), ".3g"),
-        _number(perplexity.get("top1_agreement"), ".3f"),
-        _number(greedy.get("prefix_match_tokens"), ".1f"),
-        _number(greedy.get("position_agreement"), ".2f"),
+        format_number(perplexity.get("kl_mean"), ".3g"),
+        format_number(perplexity.get("top1_agreement"), ".3f"),
+        format_number(greedy.get("prefix_match_tokens"), ".1f"),
+        format_number(greedy.get("position_agreement"), ".2f"),
         f"{passkey['accuracy']:.2f} ({passkey['correct']}/{passkey['trials']})" if passkey else MISSING,
     ]
     for context in speed_contexts:
@@ -220,7 +220,7 @@ def _row(entry: dict, speed_contexts: list[int], width: int) -> list[str]:
     return cells
 
 
-def _number(value, spec: str) -> str:
+def format_number(value, spec: str) -> str:
     return MISSING if value is None else format(value, spec)
 
 

@@ -267,7 +267,7 @@ def _environment() -> dict:
 
 # ---- report ---------------------------------------------------------------------------------------------------
 def weights_markdown(results: dict) -> str:
-    from .report import _number
+    from .report import format_number
 
     settings, model = results["settings"], results["model"]
     versions = ", ".join(f"{name} {version}" for name, version in results["environment"]["versions"].items() if version)
@@ -309,7 +309,7 @@ def weights_markdown(results: dict) -> str:
             f"{entry['delta_ppl_pct']:+.2f}" + (f" ± {entry['delta_ppl_pct_se']:.2f}" if entry.get("delta_ppl_pct_se") is not None else ""))
         lines.append(
             f"| {entry['name']} | {settings_text} | {size['bytes'] / 2**20:.1f} | {size['kind']} | "
-            f"{_number(size.get('bits_per_quantized_weight'), '.2f')} | {_number(entry.get('perplexity'), '.3f')} | "
+            f"{format_number(size.get('bits_per_quantized_weight'), '.2f')} | {format_number(entry.get('perplexity'), '.3f')} | "
             f"{delta} | {entry['seconds']:.0f} |"
         )
     return "\n".join(lines) + "\n"
