@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from hf_kvcodecs.codecs import fit_codebook, nearest_codeword
-from hf_kvcodecs.codecs.residual import (
-    FP16_SCALE_BITS,
-    LOG_SCALE_BITS,
-    dequantize_scales,
-    fit_transform_residual_vq,
-    gaussian_rate_distortion_reference,
-    quantize_scales,
-    relative_mse,
-)
+from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, gaussian_rate_distortion_reference, relative_mse
+from hf_kvcodecs.codecs.scales import FP16_SCALE_BITS, LOG_SCALE_BITS, dequantize_scales, quantize_scales
 
 
 def _correlated_vectors(heads=2, n=3000, dim=16, seed=0):

@@ -35,30 +35,38 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .base import KVCodec
 from .residual import (
     DEFAULT_BEAM_WIDTH,
     DEFAULT_GAIN,
     TransformResidualVQ,
-    cached_scale_levels,
     check_encoder_options,
     fit_transform_residual_vq,
-    stored_scale_values,
 )
 
-CONDITIONAL_LAYOUT = "conditional_heads"
+CONDITIONAL_LAYOUT = "conditional_heads"  # ConditionalHeadResidualVQ.layout
 # Each head with its own PCA, codebooks and scale, and no prediction across heads: the conditional codec with zero
 # predictors. Its keys cost the compiled CPU loop what keys with codebooks shared by the heads cost (one folded table
 # per head either way), and on the default model they lowered teacher-forced KL by a fifth (28 windows) to a third
 # (4 windows, two seeds) against shared codebooks (README, "Keys: own codebooks per head" and issue 2's targets).
-PER_HEAD_CODEBOOKS_LAYOUT = "per_head_codebooks"
+PER_HEAD_CODEBOOKS_LAYOUT = "per_head_codebooks"  # HeadCodebooksResidualVQ.layout
 HEAD_SEED_STRIDE = 1000  # head h's codebooks are fitted with seed + HEAD_SEED_STRIDE * h
 
 
 @dataclass
-class ConditionalHeadResidualVQ:
+class ConditionalHeadResidualVQ(KVCodec):
     """``H`` single-head :class:`TransformResidualVQ` codecs plus the cross-head predictors ``P`` (``[H*D, H*D]``,
-    nonzero only in the blocks ``[j, h]`` with ``j < h``). Same interface as the per-head codec: codes ``[H, N, S]``,
-    scales ``[H, N]``."""
+    nonzero only in the blocks ``[j, h]`` with ``j < h``): the ``conditional_heads`` layout. Same interface as the
+    per-head codec: codes ``[H, N, S]``, scales ``[H, N]``."""
+
+    layout = "conditional_heads"
+
+    @staticmethod
+    def fit(samples: torch.Tensor, **settings):
+        return fit_conditional_head_residual_vq(samples, **settings)
+    kinds = ("keys",)
+    needs_pre_rope_keys = True
+    pre_rope_reason = "predicts keys before RoPE (the prediction does not commute with the rotation)"
 
     head_codecs: list[TransformResidualVQ]  # each: mean [1, D], basis [1, D, D], its own codebooks [S, K, g]
     predictors: torch.Tensor  # [H*D, H*D] float32
@@ -85,26 +93,19 @@ class ConditionalHeadResidualVQ:
             if bool(self.predictors[head * dim :, head * dim : (head + 1) * dim].any()):
                 raise ValueError(f"predictors for head {head} read heads {head} or later; only earlier heads can be "
                                  "decoded when it is.")
-        self.predicts_across_heads = bool(self.predictors.any())  # False: the per_head_codebooks layout
+        self.predicts_across_heads = bool(self.predictors.any())
 
     @classmethod
-    def independent(cls, head_codecs: list[TransformResidualVQ], stats: dict | None = None):
+    def independent(cls, head_codecs: list[TransformResidualVQ], stats: dict | None = None) -> HeadCodebooksResidualVQ:
         """Heads coded independently, each with its own codebooks (the ``per_head_codebooks`` layout)."""
         width = len(head_codecs) * head_codecs[0].head_dim
-        return cls(head_codecs, torch.zeros(width, width, device=head_codecs[0].codebooks.device), stats or {})
-
-    @property
-    def layout(self) -> str:
-        return CONDITIONAL_LAYOUT if self.predicts_across_heads else PER_HEAD_CODEBOOKS_LAYOUT
+        return HeadCodebooksResidualVQ(head_codecs, torch.zeros(width, width, device=head_codecs[0].codebooks.device),
+                                       stats or {})
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @property
     def num_heads(self) -> int:
         return len(self.head_codecs)
-
-    @property
-    def code_heads(self) -> int:
-        return self.num_heads
 
     @property
     def head_dim(self) -> int:
@@ -123,18 +124,6 @@ class ConditionalHeadResidualVQ:
         return self.head_codecs[0].codebook_bits
 
     @property
-    def codebook_size(self) -> int:
-        return self.head_codecs[0].codebooks.shape[1]
-
-    @property
-    def scale_bits(self) -> int:
-        return self.head_codecs[0].scale_bits
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return self.head_codecs[0].scale_dtype
-
-    @property
     def mean(self) -> torch.Tensor:
         """``[H, D]`` the per-head codecs' means (of their residual targets; used for the device only)."""
         return torch.cat([codec.mean for codec in self.head_codecs])
@@ -145,29 +134,16 @@ class ConditionalHeadResidualVQ:
             return None
         return torch.cat([codec.log_scale_range for codec in self.head_codecs])
 
-    def code_bits_per_vector(self) -> int:
-        return self.head_codecs[0].code_bits_per_vector()
-
-    def bits_per_element(self) -> float:
-        return self.head_codecs[0].bits_per_element()
-
-    def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
-        return stored_scale_values(self, stored)
-
-    def scale_level_table(self, device) -> torch.Tensor | None:
-        return cached_scale_levels(self, device)
-
     def truncated(self, num_stages: int) -> ConditionalHeadResidualVQ:
         """The same codec at a lower rate: every head keeps its first ``num_stages`` stages (the predictors stay those
         fitted at the full rate)."""
-        prefix = ConditionalHeadResidualVQ([codec.truncated(num_stages) for codec in self.head_codecs], self.predictors,
-                                           self.stats)
+        prefix = type(self)([codec.truncated(num_stages) for codec in self.head_codecs], self.predictors, self.stats)
         prefix._table_source = self._table_source or self
         return prefix
 
     def to(self, device=None, dtype=None) -> ConditionalHeadResidualVQ:
-        return ConditionalHeadResidualVQ([codec.to(device, dtype) for codec in self.head_codecs],
-                                         self.predictors.to(device=device, dtype=dtype), self.stats)
+        return type(self)([codec.to(device, dtype) for codec in self.head_codecs],
+                          self.predictors.to(device=device, dtype=dtype), self.stats)
 
     # ---- coding ---------------------------------------------------------------------------------------------
     def mixing(self) -> torch.Tensor:
@@ -287,17 +263,54 @@ class ConditionalHeadResidualVQ:
             tensors.update(codec.state_dict(f"{prefix}.head.{head}"))
         return tensors
 
+    def consistency_problems(self, codebook_bits: int, group_dim: int, scale_bits: int) -> list[str]:
+        """What is wrong with a codec read from a file that says these sizes (empty when it is consistent)."""
+        if not bool(torch.isfinite(self.predictors).all()):
+            return ["non-finite predictors"]
+        for codec in self.head_codecs:
+            problems = codec.consistency_problems(codebook_bits, group_dim, scale_bits)
+            if problems:
+                return problems
+        return []
+
     @classmethod
-    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int, stats=None,
-                        *, layout: str = CONDITIONAL_LAYOUT):
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int,
+                        stats=None):
         head_codecs = [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim)
                        for head in range(num_heads)]
-        if layout == PER_HEAD_CODEBOOKS_LAYOUT:
-            if f"{prefix}.predictors" in tensors:
-                raise ValueError(f"{prefix} holds cross-head predictors, but the layout is {PER_HEAD_CODEBOOKS_LAYOUT} "
-                                 f"(heads coded independently); a {CONDITIONAL_LAYOUT} file was relabelled")
-            return cls.independent(head_codecs, stats)
         return cls(head_codecs, tensors[f"{prefix}.predictors"].float(), stats or {})
+
+
+@dataclass
+class HeadCodebooksResidualVQ(ConditionalHeadResidualVQ):
+    """Keys per head, each head with its own PCA, codebooks and scale and no prediction across heads (the
+    ``per_head_codebooks`` layout): the conditional codec with zero predictors, which the compiled CPU loop reads
+    like keys with shared codebooks."""
+
+    layout = "per_head_codebooks"
+    supports_metric = True
+
+    @staticmethod
+    def fit(samples: torch.Tensor, **settings):
+        return fit_conditional_head_residual_vq(samples, predict=False, **settings)
+    pre_rope_reason = ("is read by the attention as keys coded before RoPE (key_layout='per_head' codes keys after "
+                       "RoPE)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.predicts_across_heads:
+            raise ValueError(f"a {self.layout} codec codes its heads independently, but its predictors are not zero; "
+                             f"use a {ConditionalHeadResidualVQ.layout} codec")
+
+    @classmethod
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int,
+                        stats=None):
+        if f"{prefix}.predictors" in tensors:
+            raise ValueError(f"{prefix} holds cross-head predictors, but the layout is {cls.layout} (heads coded "
+                             f"independently); a {ConditionalHeadResidualVQ.layout} file was relabelled")
+        head_codecs = [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim)
+                       for head in range(num_heads)]
+        return cls.independent(head_codecs, stats)
 
 
 def fit_conditional_head_residual_vq(

@@ -35,15 +35,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels.reference import cached_fold_value_prediction
+from .base import KVCodec
 from .conditional import ridge_regression
 from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq
 from .residual import DEFAULT_BEAM_WIDTH, DEFAULT_GAIN
 
-GIVEN_KEYS_LAYOUT = "given_keys"
-
 
 @dataclass
-class KeyPredictedValueVQ:
+class KeyPredictedValueVQ(KVCodec):
     """A joint-head residual codec for ``values - prediction(decoded keys)`` plus the prediction ``[H*D + 1, H*D]``
     (the last row is the bias). Codes ``[1, N, S]`` and scales ``[H, N]`` as the joint codec's; :meth:`encode` and
     :meth:`decode` also take the tokens' decoded pre-RoPE keys ``[H, N, D]``."""
@@ -52,8 +51,17 @@ class KeyPredictedValueVQ:
     predictor: torch.Tensor  # [H*D + 1, H*D] float32
     stats: dict = field(default_factory=dict)
 
+    layout = "given_keys"
+
+    @staticmethod
+    def fit(samples: torch.Tensor, **settings):
+        return fit_key_predicted_value_vq(samples, **settings)
+    kinds = ("values",)
+    joint_code = True
+    needs_pre_rope_keys = True
+    pre_rope_reason = ("predicts values from the decoded keys before RoPE (rotated keys would make the prediction "
+                       "depend on the position)")
     needs_keys = True  # the cache hands encode/decode the tokens' decoded keys
-    code_heads = 1
 
     def __post_init__(self):
         width = self.num_heads * self.head_dim
@@ -90,22 +98,8 @@ class KeyPredictedValueVQ:
         return self.residual_codec.mean
 
     @property
-    def scale_bits(self) -> int:
-        return self.residual_codec.scale_bits
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return self.residual_codec.scale_dtype
-
-    @property
     def log_scale_range(self) -> torch.Tensor | None:
         return self.residual_codec.log_scale_range
-
-    def code_bits_per_vector(self) -> float:
-        return self.residual_codec.code_bits_per_vector()
-
-    def bits_per_element(self) -> float:
-        return self.residual_codec.bits_per_element()
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         return self.residual_codec.scale_values(stored)
@@ -177,8 +171,15 @@ class KeyPredictedValueVQ:
         tensors[f"{prefix}.predictor"] = self.predictor.contiguous()
         return tensors
 
+    def consistency_problems(self, codebook_bits: int, group_dim: int, scale_bits: int) -> list[str]:
+        """What is wrong with a codec read from a file that says these sizes (empty when it is consistent)."""
+        if not bool(torch.isfinite(self.predictor).all()):
+            return ["non-finite value predictor"]
+        return self.residual_codec.consistency_problems(codebook_bits, group_dim, scale_bits)
+
     @classmethod
-    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int, stats=None):
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int,
+                        stats=None):
         residual = JointHeadResidualVQ.from_state_dict(tensors, f"{prefix}.residual", group_dim, num_heads,
                                                        (stats or {}).get("residual"))
         return cls(residual, tensors[f"{prefix}.predictor"].float(), stats or {})
@@ -202,6 +203,6 @@ def fit_key_predicted_value_vq(samples: torch.Tensor, *, decoded_keys: torch.Ten
     residuals = (flat(samples) - sources @ predictor).reshape(tokens, heads, dim).permute(1, 0, 2).contiguous()
     residual_codec = fit_joint_head_residual_vq(residuals, max_stages=max_stages, **fit_settings)
     explained = 1 - float(residuals.pow(2).sum() / samples.float().pow(2).sum().clamp_min(1e-30))
-    stats = {"layout": GIVEN_KEYS_LAYOUT, "residual": residual_codec.stats,
+    stats = {"layout": KeyPredictedValueVQ.layout, "residual": residual_codec.stats,
              "energy_explained_by_keys": round(explained, 4)}
     return KeyPredictedValueVQ(residual_codec, predictor, stats)

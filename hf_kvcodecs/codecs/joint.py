@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kernels import residual_encode
+from .base import KVCodec
 from .residual import (
     DEFAULT_BEAM_WIDTH,
     DEFAULT_GAIN,
@@ -28,15 +29,12 @@ from .residual import (
     SCALE_BIT_CHOICES,
     TransformResidualVQ,
     _rms,
-    cached_scale_levels,
     check_encoder_options,
     fit_transform_residual_vq,
     quantize_scales,
     refit_gains,
-    stored_scale_values,
 )
 
-CODEC_LAYOUTS = ("per_head", "joint_heads")
 # Values joint, keys per head. Exploratory runs on the default model (teacher-forced KL at 2 / 1 bits, same
 # evaluation windows): both per head 0.045 / 0.33, values joint 0.030 / 0.23, keys joint 0.034 / 0.24, both joint
 # 0.022 / 0.14. Joint values cost one pass over the shared codes in the decode-time value histogram; joint keys make
@@ -79,9 +77,17 @@ def resolve_layouts(key_space: str = "pre_rope", key_layout: str | None = None,
 
 
 @dataclass
-class JointHeadResidualVQ:
+class JointHeadResidualVQ(KVCodec):
     """Per-head scales plus one :class:`TransformResidualVQ` (one "head" of ``H * D`` components, unit scale) for the
-    normalized shapes of all heads together. Same interface as the per-head codec, with :attr:`code_heads` = 1."""
+    normalized shapes of all heads together (the ``joint_heads`` layout). Same interface as the per-head codec, with
+    :attr:`code_heads` = 1."""
+
+    layout = "joint_heads"
+    joint_code = True
+
+    @staticmethod
+    def fit(samples: torch.Tensor, **settings):
+        return fit_joint_head_residual_vq(samples, **settings)
 
     shape_codec: TransformResidualVQ  # mean [1, H*D], basis [1, H*D, H*D], codebooks and stages over H*D components
     num_heads: int
@@ -91,8 +97,6 @@ class JointHeadResidualVQ:
     _table_source: JointHeadResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
-
-    code_heads = 1  # rows of codes per token: one, shared by all heads
 
     def __post_init__(self):
         if self.shape_codec.num_heads != 1 or self.shape_codec.head_dim % self.num_heads:
@@ -126,30 +130,6 @@ class JointHeadResidualVQ:
     @property
     def mean(self) -> torch.Tensor:
         return self.shape_codec.mean
-
-    @property
-    def scale_bits(self) -> int:
-        return 16 if self.log_scale_range is None else LOG_SCALE_BITS
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        return torch.float16 if self.log_scale_range is None else torch.uint8
-
-    def code_bits_per_vector(self) -> float:
-        """Index bits per head vector (a token's indices spread over its heads)."""
-        return self.num_stages * self.codebook_bits / self.num_heads
-
-    def bits_per_element(self) -> float:
-        """Index bits plus the per-head scales, per KV element."""
-        return (self.num_stages * self.codebook_bits + self.num_heads * self.scale_bits) / (self.num_heads * self.head_dim)
-
-    def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
-        """Scales as numbers from how they are stored (``[..., H, N]``)."""
-        return stored_scale_values(self, stored)
-
-    def scale_level_table(self, device) -> torch.Tensor | None:
-        """``[H, 256]`` values of the 8-bit per-head scale levels on ``device`` (None for fp16 scales)."""
-        return cached_scale_levels(self, device)
 
     def truncated(self, num_stages: int) -> JointHeadResidualVQ:
         """The same codec at a lower rate: the first ``num_stages`` stages of the shape code."""
@@ -254,6 +234,18 @@ class JointHeadResidualVQ:
         if self.log_scale_range is not None:
             tensors[f"{prefix}.log_scale_range"] = self.log_scale_range.contiguous()
         return tensors
+
+    def consistency_problems(self, codebook_bits: int, group_dim: int, scale_bits: int) -> list[str]:
+        """What is wrong with a codec read from a file that says these sizes (empty when it is consistent)."""
+        heads, scale_range = self.num_heads, self.log_scale_range
+        if self.scale_bits != scale_bits:
+            return [f"{self.scale_bits}-bit scales where the config says {scale_bits}"]
+        if scale_range is not None and (
+                tuple(scale_range.shape) != (heads, 2) or not bool((scale_range[:, 0] < scale_range[:, 1]).all())
+                or not bool(torch.isfinite(scale_range).all())):
+            return [f"log_scale_range {tuple(scale_range.shape)} is not [{heads}, 2] with low < high"]
+        # the shape code has no scale of its own
+        return self.shape_codec.consistency_problems(codebook_bits, group_dim, self.shape_codec.scale_bits)
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int, stats=None):

@@ -25,11 +25,14 @@ from tqdm.auto import tqdm
 
 from ..kernels import residual_encode
 from ..kernels.ops import MAX_BEAM_WIDTH
-from ..kernels.reference import scale_values_from_levels
+from .base import KVCodec
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
+from .scales import (
+    FP16_SCALE_BITS,
+    LOG_SCALE_BITS,
+    quantize_scales,
+)
 
-FP16_SCALE_BITS = 16
-LOG_SCALE_BITS = 8
 SCALE_BIT_CHOICES = (LOG_SCALE_BITS, FP16_SCALE_BITS)
 # Octaves added below and above the calibration samples' scale range: held-out tokens a little outside it are still
 # coded without clamping. On the default model the widened ranges span 2.5-6.4 octaves, a step of at most 0.025 octave
@@ -51,8 +54,16 @@ DEFAULT_BEAM_WIDTH = 8
 
 
 @dataclass
-class TransformResidualVQ:
-    """One fitted codec for one layer's keys or values. Tensors are float32 on the codec's device."""
+class TransformResidualVQ(KVCodec):
+    """One fitted codec for one layer's keys or values, one code per head vector with codebooks shared by the heads
+    (the ``per_head`` layout). Tensors are float32 on the codec's device."""
+
+    layout = "per_head"
+    supports_metric = True
+
+    @staticmethod
+    def fit(samples: torch.Tensor, **settings):
+        return fit_transform_residual_vq(samples, **settings)
 
     mean: torch.Tensor  # [H, D]
     basis: torch.Tensor  # [H, D, D] analysis transform; columns are components in coding order
@@ -74,11 +85,6 @@ class TransformResidualVQ:
         return self.mean.shape[0]
 
     @property
-    def code_heads(self) -> int:
-        """Rows of codes per token: one per head (see :mod:`.joint` for one shared by all heads)."""
-        return self.num_heads
-
-    @property
     def head_dim(self) -> int:
         return self.mean.shape[1]
 
@@ -89,30 +95,6 @@ class TransformResidualVQ:
     @property
     def codebook_bits(self) -> int:
         return int(math.log2(self.codebooks.shape[1]))
-
-    @property
-    def scale_bits(self) -> int:
-        return FP16_SCALE_BITS if self.log_scale_range is None else LOG_SCALE_BITS
-
-    @property
-    def scale_dtype(self) -> torch.dtype:
-        """How the cache stores a scale: fp16, or the uint8 index of a log-uniform level."""
-        return torch.float16 if self.log_scale_range is None else torch.uint8
-
-    def code_bits_per_vector(self) -> int:
-        return self.num_stages * self.codebook_bits
-
-    def bits_per_element(self) -> float:
-        """Index bits plus the scale, per KV element."""
-        return (self.code_bits_per_vector() + self.scale_bits) / self.head_dim
-
-    def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
-        """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""
-        return stored_scale_values(self, stored)
-
-    def scale_level_table(self, device) -> torch.Tensor | None:
-        """``[H, 256]`` values of the 8-bit scale levels on ``device`` (None for fp16 scales); built once."""
-        return cached_scale_levels(self, device)
 
     def truncated(self, num_stages: int) -> TransformResidualVQ:
         """The same codec at a lower rate: the first ``num_stages`` stages (a prefix of the greedy allocation)."""
@@ -271,8 +253,33 @@ class TransformResidualVQ:
             tensors[f"{prefix}.log_scale_range"] = self.log_scale_range.contiguous()
         return tensors
 
+    def consistency_problems(self, codebook_bits: int, group_dim: int, scale_bits: int) -> list[str]:
+        """What is wrong with a codec read from a file that says these sizes (empty when it is consistent)."""
+        heads, dim = self.mean.shape
+        expected_codebook = (self.num_stages, 2 ** codebook_bits, group_dim)
+        problems = []
+        if tuple(self.basis.shape) != (heads, dim, dim):
+            problems.append(f"basis {tuple(self.basis.shape)} != {(heads, dim, dim)}")
+        if self.synthesis is not None and tuple(self.synthesis.shape) != (heads, dim, dim):
+            problems.append(f"synthesis {tuple(self.synthesis.shape)} != {(heads, dim, dim)}")
+        if tuple(self.codebooks.shape) != expected_codebook:
+            problems.append(f"codebooks {tuple(self.codebooks.shape)} != {expected_codebook}")
+        if self.stage_groups.numel() != self.num_stages or (self.stage_groups.numel() and (
+                int(self.stage_groups.min()) < 0 or int(self.stage_groups.max()) >= dim // group_dim)):
+            problems.append("stage_groups out of range")
+        if self.scale_bits != scale_bits:
+            problems.append(f"{self.scale_bits}-bit scales where the config says {scale_bits}")
+        elif self.log_scale_range is not None and not _valid_scale_range(self.log_scale_range, heads):
+            problems.append(f"log_scale_range {tuple(self.log_scale_range.shape)} is not [{heads}, 2] with low < high")
+        checked = (self.mean, self.basis, self.codebooks) + (() if self.synthesis is None else (self.synthesis,))
+        checked += () if self.log_scale_range is None else (self.log_scale_range,)
+        if not all(torch.isfinite(tensor).all() for tensor in checked):
+            problems.append("non-finite values")
+        return problems
+
     @classmethod
-    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, stats=None):
+    def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int | None = None,
+                        stats=None):
         return cls(
             tensors[f"{prefix}.mean"].float(),
             tensors[f"{prefix}.basis"].float(),
@@ -283,6 +290,10 @@ class TransformResidualVQ:
             tensors[f"{prefix}.synthesis"].float() if f"{prefix}.synthesis" in tensors else None,
             tensors[f"{prefix}.log_scale_range"].float() if f"{prefix}.log_scale_range" in tensors else None,
         )
+
+
+def _valid_scale_range(log_scale_range: torch.Tensor, heads: int) -> bool:
+    return tuple(log_scale_range.shape) == (heads, 2) and bool((log_scale_range[:, 0] < log_scale_range[:, 1]).all())
 
 
 def refit_gains(target, coded, scales, scale_values, gain: str, log_scale_range, levels=None):
@@ -324,57 +335,6 @@ def check_encoder_options(gain: str, beam_width: int) -> None:
         raise ValueError(f"gain must be one of {GAIN_CHOICES}, got {gain!r}.")
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or not 1 <= beam_width <= MAX_BEAM_WIDTH:
         raise ValueError(f"beam_width must be an integer from 1 (greedy) to {MAX_BEAM_WIDTH}, got {beam_width!r}.")
-
-
-def quantize_scales(rms: torch.Tensor, log_scale_range: torch.Tensor | None,
-                    levels: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(stored scales, their values) for per-vector RMS ``[H, N]``: fp16, or with ``log_scale_range`` (``[H, 2]``)
-    the uint8 index of the nearest of 256 log-uniform levels (clamped to the range). ``levels``: that range's
-    :func:`scale_levels` when the caller keeps them (a codec's :func:`cached_scale_levels`), else computed here."""
-    if log_scale_range is None:
-        stored = rms.to(torch.float16)
-        return stored, stored.float()
-    low, high = log_scale_range[:, :1].to(rms.device), log_scale_range[:, 1:].to(rms.device)
-    position = (torch.log2(rms.float()) - low) / (high - low) * (2**LOG_SCALE_BITS - 1)
-    stored = position.round_().clamp_(0, 2**LOG_SCALE_BITS - 1).to(torch.uint8)
-    if levels is None:
-        return stored, dequantize_scales(stored, log_scale_range)
-    return stored, scale_values_from_levels(levels.to(stored.device), stored)
-
-
-def dequantize_scales(stored: torch.Tensor, log_scale_range: torch.Tensor | None) -> torch.Tensor:
-    """Values of stored scales ``[..., H, N]`` (fp16 ones are returned as they are)."""
-    if stored.dtype != torch.uint8:
-        return stored
-    if log_scale_range is None:
-        raise ValueError("8-bit scales need the codec's log_scale_range.")
-    return scale_values_from_levels(scale_levels(log_scale_range.to(stored.device)), stored)
-
-
-def scale_levels(log_scale_range: torch.Tensor) -> torch.Tensor:
-    """``[H, 256]`` values of the 8-bit scale levels from ``[H, 2]`` log2 (low, high) ranges."""
-    low, high = log_scale_range[:, :1].float(), log_scale_range[:, 1:].float()
-    steps = torch.arange(2**LOG_SCALE_BITS, device=log_scale_range.device, dtype=torch.float32) / (2**LOG_SCALE_BITS - 1)
-    return torch.exp2(low + (high - low) * steps)
-
-
-def cached_scale_levels(codec, device) -> torch.Tensor | None:
-    """A codec's ``[H, 256]`` scale levels on ``device``, kept on the codec (they are needed at every decode step;
-    prefixes share the levels of the codec they were cut from); None when its scales are fp16."""
-    source = codec._table_source or codec
-    if source._levels is not None and source._levels.device == torch.device(device):
-        return source._levels  # (before log_scale_range: a conditional codec builds that property by concatenation)
-    if codec.log_scale_range is None:
-        return None
-    if source._levels is None or source._levels.device != torch.device(device):
-        source._levels = scale_levels(source.log_scale_range.to(device))
-    return source._levels
-
-
-def stored_scale_values(codec, stored: torch.Tensor) -> torch.Tensor:
-    """Stored scales ``[..., H, N]`` of ``codec`` (either codec class) as numbers."""
-    levels = cached_scale_levels(codec, stored.device) if stored.dtype == torch.uint8 else None
-    return dequantize_scales(stored, codec.log_scale_range) if levels is None else scale_values_from_levels(levels, stored)
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:

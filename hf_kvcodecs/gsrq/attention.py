@@ -160,7 +160,7 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     else:
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
     constants = decode_constants(
-        key_levels, key_table, key_mean, _codebook_size(key_codec),
+        key_levels, key_table, key_mean, key_codec.codebook_size,
         value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, conditional_keys=conditional,
         value_prediction=prediction, value_predictor=predictor)
     _DECODE_CONSTANTS[layer] = (source, constants)
@@ -183,7 +183,3 @@ def _scales_and_levels(codec, stored: torch.Tensor, device):
     which the compiled CPU loops read per token instead of a per-step lookup of every scale."""
     levels = codec.scale_level_table(device) if stored.dtype == torch.uint8 else None
     return (stored, levels) if levels is not None else (codec.scale_values(stored), None)
-
-
-def _codebook_size(key_codec) -> int:
-    return key_codec.codebook_size if isinstance(key_codec, ConditionalHeadResidualVQ) else key_codec.codebooks.shape[1]

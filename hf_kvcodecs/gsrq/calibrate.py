@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from pathlib import Path
@@ -12,17 +11,15 @@ from tqdm.auto import tqdm
 
 from ..calibration.collect import collect_kv_samples
 from ..calibration.metrics import attention_projections, key_metric, value_metric
-from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, fit_conditional_head_residual_vq
-from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, fit_key_predicted_value_vq
-from ..codecs.joint import fit_joint_head_residual_vq, resolve_layouts
+from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER, KMEANS_SEEDING_REVISION
+from ..codecs.layouts import codec_class, heads_per_code
 from ..codecs.residual import (
     DEFAULT_BEAM_WIDTH,
     DEFAULT_GAIN,
     ENCODER_REVISION,
     LOG_SCALE_BITS,
     check_bit_rate,
-    fit_transform_residual_vq,
     gaussian_rate_distortion_reference,
     joint_rate_distortion_reference,
     relative_mse,
@@ -31,7 +28,7 @@ from ..codecs.residual import (
 from ..models import model_fingerprint
 from ..rope import find_rotary_parameters
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
-from .codebooks import LAYOUTS, GSRQCodebooks, check_save_directory, heads_per_code
+from .codebooks import GSRQCodebooks, check_save_directory
 
 logger = logging.getLogger(__name__)
 
@@ -91,17 +88,9 @@ def fit_gsrq_codebooks(
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
     key_layout, value_layout = resolve_layouts(key_space, key_layout, value_layout)
     for kind, layout in (("keys", key_layout), ("values", value_layout)):
-        if layout not in LAYOUTS[kind]:
-            raise ValueError(f"{kind[:-1]}_layout must be one of {LAYOUTS[kind]}, got {layout!r}.")
-    if key_layout == CONDITIONAL_LAYOUT and key_space != "pre_rope":
-        raise ValueError("key_layout='conditional_heads' predicts keys before RoPE (the prediction does not commute "
-                         "with the rotation): use key_space='pre_rope'.")
-    if key_layout == PER_HEAD_CODEBOOKS_LAYOUT and key_space != "pre_rope":
-        raise ValueError("key_layout='per_head_codebooks' is read by the attention as keys coded before RoPE: use "
-                         "key_space='pre_rope' (or key_layout='per_head' for keys coded after RoPE).")
-    if value_layout == GIVEN_KEYS_LAYOUT and key_space != "pre_rope":
-        raise ValueError("value_layout='given_keys' predicts values from the decoded keys before RoPE (rotated keys "
-                         "would make the prediction depend on the position): use key_space='pre_rope'.")
+        codec = codec_class(layout, kind)
+        if codec.needs_pre_rope_keys and key_space != "pre_rope":
+            raise ValueError(f"{kind[:-1]}_layout={layout!r} {codec.pre_rope_reason}: use key_space='pre_rope'.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
@@ -112,12 +101,6 @@ def fit_gsrq_codebooks(
     def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
         return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, heads_per_code(layout, kv_heads)))
 
-    def fitter(layout):
-        return {"joint_heads": fit_joint_head_residual_vq,
-                CONDITIONAL_LAYOUT: fit_conditional_head_residual_vq,
-                PER_HEAD_CODEBOOKS_LAYOUT: functools.partial(fit_conditional_head_residual_vq, predict=False),
-                }.get(layout, fit_transform_residual_vq)
-
     rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
     needed = (num_windows + holdout_windows) * window_tokens
     if token_ids.numel() < needed:
@@ -127,7 +110,7 @@ def fit_gsrq_codebooks(
         )
     if metric not in ("attention", "none"):
         raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and {"joint_heads", CONDITIONAL_LAYOUT, GIVEN_KEYS_LAYOUT} & {key_layout, value_layout}:
+    if metric == "attention" and not all(codec_class(layout).supports_metric for layout in (key_layout, value_layout)):
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
                          "value_layout='per_head' and a per-head key layout, per_head_codebooks (the default) or "
                          "per_head (CLI: --value-layout per_head).")
@@ -148,23 +131,24 @@ def fit_gsrq_codebooks(
     train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
     test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
     projections = attention_projections(model) if metric == "attention" else {}
+    key_codec_class, value_codec_class = codec_class(key_layout), codec_class(value_layout)
     for layer in tqdm(range(len(train_keys)), desc=f"fitting {learner} codebooks", disable=not progress):
         key_weights = value_weights = None
         if metric == "attention":
             if key_space == "pre_rope":  # the pair-averaged query metric only holds for keys coded before RoPE
                 key_weights = key_metric(samples.query_mean_squared[layer], kv_heads)
             value_weights = value_metric(projections[layer]["o_proj"].weight, kv_heads, head_dim)
-        key_codec = fitter(key_layout)(train_keys[layer], max_stages=stages_for(key_layout), metric=key_weights,
-                                       seed=seed + 2 * layer, **fit_settings)
+        key_codec = key_codec_class.fit(train_keys[layer], max_stages=stages_for(key_layout), metric=key_weights,
+                                        seed=seed + 2 * layer, **fit_settings)
         decoded_test_keys = key_codec.reconstruct(test_keys[layer])
-        if value_layout == GIVEN_KEYS_LAYOUT:  # predicted from the keys as the cache will decode them
-            value_codec = fit_key_predicted_value_vq(
+        if value_codec_class.needs_keys:  # predicted from the keys as the cache will decode them
+            value_codec = value_codec_class.fit(
                 samples.values[layer], decoded_keys=key_codec.reconstruct(train_keys[layer]),
                 max_stages=stages_for(value_layout), metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
             decoded_test_values = value_codec.reconstruct(holdout.values[layer], decoded_test_keys)
         else:
-            value_codec = fitter(value_layout)(samples.values[layer], max_stages=stages_for(value_layout),
-                                               metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+            value_codec = value_codec_class.fit(samples.values[layer], max_stages=stages_for(value_layout),
+                                                metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
             decoded_test_values = value_codec.reconstruct(holdout.values[layer])
         key_codecs.append(key_codec)
         value_codecs.append(value_codec)

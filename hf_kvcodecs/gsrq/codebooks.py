@@ -13,10 +13,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..codecs.conditional import CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT, ConditionalHeadResidualVQ
-from ..codecs.given_keys import GIVEN_KEYS_LAYOUT, KeyPredictedValueVQ
-from ..codecs.joint import CODEC_LAYOUTS, JointHeadResidualVQ
-from ..codecs.residual import FP16_SCALE_BITS, TransformResidualVQ, lowest_bit_rate, stages_for_rate
+from ..codecs.base import KVCodec
+from ..codecs.layouts import codec_class, heads_per_code, layouts_for
+from ..codecs.residual import lowest_bit_rate, stages_for_rate
+from ..codecs.scales import FP16_SCALE_BITS
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -28,7 +28,7 @@ FORMAT_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)  # version 1 files have fp16 scales; 1 and 2 are per-head
 # The JSON description is a few hundred KB for a 30-layer model; a file far larger is not one (and is not parsed).
 MAX_METADATA_BYTES = 64 * 2**20
-LAYOUTS = {"keys": CODEC_LAYOUTS + (PER_HEAD_CODEBOOKS_LAYOUT, CONDITIONAL_LAYOUT), "values": CODEC_LAYOUTS + (GIVEN_KEYS_LAYOUT,)}
+LAYOUTS = {kind: layouts_for(kind) for kind in ("keys", "values")}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
@@ -40,8 +40,8 @@ class CodebookFileError(ValueError):
 
 @dataclass
 class GSRQCodebooks:
-    key_codecs: list[TransformResidualVQ]
-    value_codecs: list[TransformResidualVQ]
+    key_codecs: list[KVCodec]
+    value_codecs: list[KVCodec]
     config: dict  # fit settings: learner, weighted, transform, group_dim, codebook_bits, scale_bits, key_space, max_stages, seed
     fingerprint: dict  # models.model_fingerprint of the calibrated model
     calibration: dict = field(default_factory=dict)  # text used, sample counts, time, measured errors
@@ -49,9 +49,9 @@ class GSRQCodebooks:
     rope_attention_scaling: float = 1.0
 
     def __post_init__(self):
-        self._truncated: dict[tuple[str, int], list[TransformResidualVQ]] = {}
+        self._truncated: dict[tuple[str, int], list[KVCodec]] = {}
 
-    def codecs_at(self, kind: str, num_stages: int) -> list[TransformResidualVQ]:
+    def codecs_at(self, kind: str, num_stages: int) -> list[KVCodec]:
         """Per-layer ``kind`` ("keys"/"values") codecs truncated to ``num_stages``, memoized so that every cache at
         the same rate shares one set of codecs (and their decode tables)."""
         if (kind, num_stages) not in self._truncated:
@@ -242,14 +242,7 @@ class GSRQCodebooks:
 
         def read(kind, index):
             prefix, codec_stats = f"layers.{index}.{kind}", _at(stats.get(kind), index)
-            if layout_of(config, kind) == "joint_heads":
-                return JointHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
-            if layout_of(config, kind) in (CONDITIONAL_LAYOUT, PER_HEAD_CODEBOOKS_LAYOUT):
-                return ConditionalHeadResidualVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats,
-                                                                 layout=layout_of(config, kind))
-            if layout_of(config, kind) == GIVEN_KEYS_LAYOUT:
-                return KeyPredictedValueVQ.from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
-            return TransformResidualVQ.from_state_dict(tensors, prefix, group_dim, codec_stats)
+            return codec_class(layout_of(config, kind)).from_state_dict(tensors, prefix, group_dim, heads, codec_stats)
 
         key_codecs, value_codecs = [], []
         try:
@@ -260,13 +253,17 @@ class GSRQCodebooks:
             raise CodebookFileError(f"{tensors_path} lacks tensor {error}; the file is incomplete: re-run calibrate.") from error
         except ValueError as error:  # a codec's own consistency checks (e.g. predictors of the wrong shape)
             raise CodebookFileError(f"{tensors_path} holds inconsistent codebooks ({error}); re-run calibrate.") from error
+        expected = (int(config["codebook_bits"]), int(config["group_dim"]), int(config.get("scale_bits", FP16_SCALE_BITS)))
         for codec in key_codecs + value_codecs:
-            _validate_codec(codec, config, tensors_path)
+            problems = codec.consistency_problems(*expected)
+            if problems:
+                raise CodebookFileError(f"{tensors_path} holds inconsistent codebooks ({'; '.join(problems)}); re-run "
+                                        "calibrate.")
         if config.get("key_space") not in KEY_SPACES:
             raise CodebookFileError(f"{metadata_path}: key_space must be one of {KEY_SPACES}, got {config.get('key_space')!r}.")
-        for kind, layout in (("keys", CONDITIONAL_LAYOUT), ("keys", PER_HEAD_CODEBOOKS_LAYOUT),
-                             ("values", GIVEN_KEYS_LAYOUT)):
-            if layout_of(config, kind) == layout and config["key_space"] != "pre_rope":
+        for kind in ("keys", "values"):
+            layout = layout_of(config, kind)
+            if codec_class(layout).needs_pre_rope_keys and config["key_space"] != "pre_rope":
                 raise CodebookFileError(f"{metadata_path}: {layout} {kind} need keys coded before RoPE (key_space "
                                         f"'pre_rope'), got {config['key_space']!r}; re-run calibrate.")
         inv_freq = tensors.get("rope.inv_freq")
@@ -369,59 +366,3 @@ def _at(items, index):
     return items[index] if isinstance(items, list) and index < len(items) else {}
 
 
-def heads_per_code(layout: str, kv_heads: int) -> int:
-    """How many head vectors one code of ``layout`` covers (its index bits are the budget of all of them)."""
-    return kv_heads if layout in ("joint_heads", GIVEN_KEYS_LAYOUT) else 1
-
-
-def _validate_codec(codec, config: dict, path) -> None:
-    if isinstance(codec, KeyPredictedValueVQ):
-        if not bool(torch.isfinite(codec.predictor).all()):
-            raise CodebookFileError(f"{path} holds inconsistent codebooks (non-finite value predictor); re-run calibrate.")
-        _validate_codec(codec.residual_codec, config, path)
-        return
-    if isinstance(codec, ConditionalHeadResidualVQ):
-        if not bool(torch.isfinite(codec.predictors).all()):
-            raise CodebookFileError(f"{path} holds inconsistent codebooks (non-finite predictors); re-run calibrate.")
-        for head_codec in codec.head_codecs:
-            _validate_codec(head_codec, config, path)
-        return
-    if isinstance(codec, JointHeadResidualVQ):
-        problems = []
-        heads = codec.num_heads
-        if codec.scale_bits != int(config.get("scale_bits", FP16_SCALE_BITS)):
-            problems.append(f"{codec.scale_bits}-bit scales where the config says {config.get('scale_bits')}")
-        elif codec.log_scale_range is not None and (
-            tuple(codec.log_scale_range.shape) != (heads, 2) or not bool((codec.log_scale_range[:, 0] < codec.log_scale_range[:, 1]).all())
-            or not bool(torch.isfinite(codec.log_scale_range).all())
-        ):
-            problems.append(f"log_scale_range {tuple(codec.log_scale_range.shape)} is not [{heads}, 2] with low < high")
-        if problems:
-            raise CodebookFileError(f"{path} holds inconsistent codebooks ({'; '.join(problems)}); re-run calibrate.")
-        codec = codec.shape_codec
-        config = {**config, "scale_bits": codec.scale_bits}  # the shape code has no scale of its own
-    heads, dim = codec.mean.shape
-    expected_codebook = (codec.num_stages, 2 ** int(config["codebook_bits"]), int(config["group_dim"]))
-    problems = []
-    if tuple(codec.basis.shape) != (heads, dim, dim):
-        problems.append(f"basis {tuple(codec.basis.shape)} != {(heads, dim, dim)}")
-    if codec.synthesis is not None and tuple(codec.synthesis.shape) != (heads, dim, dim):
-        problems.append(f"synthesis {tuple(codec.synthesis.shape)} != {(heads, dim, dim)}")
-    if tuple(codec.codebooks.shape) != expected_codebook:
-        problems.append(f"codebooks {tuple(codec.codebooks.shape)} != {expected_codebook}")
-    if codec.stage_groups.numel() != codec.num_stages or (codec.stage_groups.numel() and (
-        int(codec.stage_groups.min()) < 0 or int(codec.stage_groups.max()) >= dim // int(config["group_dim"]))):
-        problems.append("stage_groups out of range")
-    scale_bits = int(config.get("scale_bits", FP16_SCALE_BITS))
-    if codec.scale_bits != scale_bits:
-        problems.append(f"{codec.scale_bits}-bit scales where the config says {scale_bits}")
-    elif codec.log_scale_range is not None and (
-        tuple(codec.log_scale_range.shape) != (heads, 2) or not bool((codec.log_scale_range[:, 0] < codec.log_scale_range[:, 1]).all())
-    ):
-        problems.append(f"log_scale_range {tuple(codec.log_scale_range.shape)} is not [{heads}, 2] with low < high")
-    checked = (codec.mean, codec.basis, codec.codebooks) + (() if codec.synthesis is None else (codec.synthesis,))
-    checked += () if codec.log_scale_range is None else (codec.log_scale_range,)
-    if not all(torch.isfinite(t).all() for t in checked):
-        problems.append("non-finite values")
-    if problems:
-        raise CodebookFileError(f"{path} holds inconsistent codebooks ({'; '.join(problems)}); re-run calibrate.")
