@@ -379,7 +379,7 @@ def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_di
     first = {name: (target / name).read_bytes() for name in (TENSORS_FILE, METADATA_FILE)}
     assert sorted(path.name for path in target.iterdir()) == sorted(first)  # no temporary files left behind
 
-    import hf_kvcodecs.gsrq.codebooks as module
+    import hf_kvcodecs.fileio as module
 
     real_replace, moves = module.os.replace, []
 
@@ -403,7 +403,7 @@ def test_saves_are_atomic_and_a_mixed_pair_of_files_is_refused(tiny_codebooks_di
 
 
 def test_saved_files_reach_the_disk_before_they_are_moved_into_place(tiny_codebooks_dir, tmp_path, monkeypatch):
-    import hf_kvcodecs.gsrq.codebooks as module
+    import hf_kvcodecs.fileio as module
 
     codebooks, events = GSRQCodebooks.load(tiny_codebooks_dir), []
     real_fsync, real_replace, real_open = module.os.fsync, module.os.replace, module.os.open

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from ..codecs.base import KVCodec
 from ..codecs.layouts import codec_class, heads_per_code, layouts_for
 from ..codecs.residual import lowest_bit_rate, stages_for_rate
 from ..codecs.scales import FP16_SCALE_BITS
+from ..fileio import read_json, save_tensors_and_json
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -138,21 +135,15 @@ class GSRQCodebooks:
         """
         directory = Path(directory)
         check_save_directory(directory, overwrite=overwrite)
-        directory.mkdir(parents=True, exist_ok=True)
-        for leftover in directory.glob(".gsrq_codebooks.*.partial"):  # from a save that was killed outright
-            leftover.unlink(missing_ok=True)
         tensors: dict[str, torch.Tensor] = {}
         for index, (key_codec, value_codec) in enumerate(zip(self.key_codecs, self.value_codecs)):
             tensors.update(key_codec.state_dict(f"layers.{index}.keys"))
             tensors.update(value_codec.state_dict(f"layers.{index}.values"))
         if self.rope_inv_freq is not None:
             tensors["rope.inv_freq"] = self.rope_inv_freq.float().contiguous()
-        tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-        save_id = uuid.uuid4().hex
-        metadata = {
+        description = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
-            "save_id": save_id,
             "config": self.config,
             "fingerprint": self.fingerprint,
             "calibration": self.calibration,
@@ -163,19 +154,8 @@ class GSRQCodebooks:
                 "values": [c.stats for c in self.value_codecs],
             },
         }
-        staged = {name: directory / f".{name}.{save_id}.partial" for name in (TENSORS_FILE, METADATA_FILE)}
-        try:
-            save_file(tensors, str(staged[TENSORS_FILE]),
-                      metadata={"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "save_id": save_id})
-            staged[METADATA_FILE].write_text(json.dumps(metadata, indent=2, sort_keys=True))
-            for path in staged.values():  # on disk before the moves, so a power loss cannot leave moved empty files
-                _fsync(path)
-            for name, path in staged.items():
-                os.replace(path, directory / name)
-            _fsync(directory)
-        finally:
-            for path in staged.values():
-                path.unlink(missing_ok=True)
+        save_tensors_and_json(directory, TENSORS_FILE, METADATA_FILE, tensors, description,
+                              {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)})
         return directory
 
     @classmethod
@@ -207,15 +187,8 @@ class GSRQCodebooks:
                     f"{path} does not exist. A GSRQ codebook directory holds {METADATA_FILE} and {TENSORS_FILE}; "
                     "create one with `hf-kvcodecs calibrate --model <model> --out DIR`."
                 )
-        if metadata_path.stat().st_size > MAX_METADATA_BYTES:
-            raise CodebookFileError(f"{metadata_path} is {metadata_path.stat().st_size} bytes, more than a codebook "
-                                    f"description ever needs ({MAX_METADATA_BYTES}); it is not a GSRQ codebook file.")
-        try:
-            metadata = json.loads(metadata_path.read_text())
-        except RecursionError as error:
-            raise CodebookFileError(f"{metadata_path} nests too deeply to be a GSRQ codebook file.") from error
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise CodebookFileError(f"{metadata_path} is not valid JSON ({error}); the file is corrupt: re-run calibrate.") from error
+        metadata = read_json(metadata_path, max_bytes=MAX_METADATA_BYTES, kind="a GSRQ codebook file",
+                             content="a codebook description", fix="re-run calibrate", error=CodebookFileError)
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise CodebookFileError(f"{metadata_path} is not a GSRQ codebook file (format={metadata.get('format') if isinstance(metadata, dict) else None!r}).")
         version = metadata.get("format_version")
@@ -287,20 +260,6 @@ class GSRQCodebooks:
             key_codecs, value_codecs, config, metadata["fingerprint"], metadata.get("calibration", {}),
             inv_freq, float(scaling),
         )
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file (or a directory's entries) to disk; skipped where the platform cannot open directories."""
-    try:
-        descriptor = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def holds_codebooks(directory: str | Path) -> bool:
