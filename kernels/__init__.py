@@ -5,8 +5,47 @@ to the Hugging Face ``kernels`` package, which transformers probes for).
 ``cpu`` the CPU implementation, whose hot loops (``cpu_native.cpp``) ``cpu_native`` compiles on first use;
 ``triton_attention`` / ``triton_encode`` the Triton kernels used on CUDA. Importing this package neither imports
 Triton nor compiles anything.
+
+The package's public surface below is what the rest of hf_kvcodecs reaches kernels through: the ops, the math of
+the references that codecs share, and the compiled CPU decode loop with the table formats it reads (a decoding
+step calls that loop directly with constants built once per layer, which are not tensors and so cannot be the
+custom op's arguments).
 """
 
-from .ops import backend_for, coded_attention, residual_encode, triton_available
+from .cpu import (
+    DecodeConstants,
+    FixedPointKeyTable,
+    conditional_key_table,
+    conditional_native_supports,
+    decode_constants,
+    decode_with_constants,
+    float_key_table_dtype,
+    folded_key_table,
+    fuses_value_prediction,
+    native_key_table_dtype,
+)
+from .cpu_native import native_ops
+from .ops import MAX_BEAM_WIDTH, backend_for, coded_attention, residual_encode, triton_available
+from .reference import LOOKUP_MAX_ROWS, cached_fold_value_prediction, scale_values_from_levels
 
-__all__ = ["backend_for", "coded_attention", "residual_encode", "triton_available"]
+__all__ = [
+    "LOOKUP_MAX_ROWS",
+    "MAX_BEAM_WIDTH",
+    "DecodeConstants",
+    "FixedPointKeyTable",
+    "backend_for",
+    "cached_fold_value_prediction",
+    "coded_attention",
+    "conditional_key_table",
+    "conditional_native_supports",
+    "decode_constants",
+    "decode_with_constants",
+    "float_key_table_dtype",
+    "folded_key_table",
+    "fuses_value_prediction",
+    "native_key_table_dtype",
+    "native_ops",
+    "residual_encode",
+    "scale_values_from_levels",
+    "triton_available",
+]

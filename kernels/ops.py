@@ -52,30 +52,22 @@ def coded_attention(
     key_scales: Tensor,
     value_codes: Tensor,
     value_scales: Tensor,
-    key_mean: Tensor,
-    key_synthesis: Tensor,
-    key_codebooks: Tensor,
-    key_stage_groups: Tensor,
-    value_mean: Tensor,
-    value_synthesis: Tensor,
-    value_codebooks: Tensor,
-    value_stage_groups: Tensor,
-    key_table: Optional[Tensor],
-    rotary_cos: Optional[Tensor],
-    rotary_sin: Optional[Tensor],
-    positions: Optional[Tensor],
-    inv_freq: Optional[Tensor],
-    attention_scaling: float,
+    key_operands: list[Tensor],
+    value_operands: list[Tensor],
+    rotary: list[Optional[Tensor]],
+    exact: list[Optional[Tensor]],
+    scale_levels: list[Optional[Tensor]],
     mask: Optional[Tensor],
+    attention_scaling: float,
     scaling: float,
-    exact_keys: Optional[Tensor] = None,
-    exact_values: Optional[Tensor] = None,
-    exact_mask: Optional[Tensor] = None,
-    key_scale_levels: Optional[Tensor] = None,
-    value_scale_levels: Optional[Tensor] = None,
-    value_predictor: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention over the coded region: (output ``[B, Hq, Lq, D]`` fp32, log-sum-exp ``[B, Hq, Lq]`` fp32).
+
+    The argument set is the same for every codec layout; what differs between layouts travels inside the lists:
+    ``key_operands`` / ``value_operands``: each codec's ``attention_operands()`` (mean, synthesis, codebooks, stage
+    groups; values coded given the keys add their predictor as a fifth); ``rotary``: ``[key_table, rotary_cos,
+    rotary_sin, positions, inv_freq]``; ``exact``: ``[exact_keys, exact_values, exact_mask]``; ``scale_levels``:
+    ``[key_scale_levels, value_scale_levels]`` (each may be None). In the implementations' terms:
 
     With ``exact_keys``/``exact_values`` (``[B, Hkv, T, D]``, RoPE applied, any float dtype; ``exact_mask``
     ``[B, Lq, T]`` additive or None) the attention spans the coded region and those tokens with one softmax, and the
@@ -104,10 +96,28 @@ def coded_attention(
     rotate-half layout where both halves of a row are equal: the same for every layer of a step, so the cache
     computes them once).
     """
-    return _reference(query, key_codes, key_scales, value_codes, value_scales, key_mean, key_synthesis, key_codebooks,
-                      key_stage_groups, value_mean, value_synthesis, value_codebooks, value_stage_groups, key_table,
-                      rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling, exact_keys,
-                      exact_values, exact_mask, key_scale_levels, value_scale_levels, value_predictor)
+    return _reference(*positional_arguments(query, key_codes, key_scales, value_codes, value_scales, key_operands,
+                                            value_operands, rotary, exact, scale_levels, mask, attention_scaling,
+                                            scaling))
+
+
+_LIST_LENGTHS = {"key_operands": (4,), "value_operands": (4, 5), "rotary": (5,), "exact": (3,), "scale_levels": (2,)}
+
+
+def positional_arguments(query, key_codes, key_scales, value_codes, value_scales, key_operands, value_operands, rotary,
+                         exact, scale_levels, mask, attention_scaling, scaling) -> list:
+    """The op's arguments in the order the implementations take them: query, codes and scales, the key and value
+    codecs' four operands, key_table, rotary_cos, rotary_sin, positions, inv_freq, attention_scaling, mask, scaling,
+    exact_keys, exact_values, exact_mask, key_scale_levels, value_scale_levels, value_predictor."""
+    lists = {"key_operands": key_operands, "value_operands": value_operands, "rotary": rotary, "exact": exact,
+             "scale_levels": scale_levels}
+    for name, items in lists.items():
+        if len(items) not in _LIST_LENGTHS[name]:
+            raise ValueError(f"coded_attention: {name} holds {len(items)} tensors, expected "
+                             f"{' or '.join(map(str, _LIST_LENGTHS[name]))}.")
+    predictor = value_operands[4] if len(value_operands) == 5 else None
+    return [query, key_codes, key_scales, value_codes, value_scales, *key_operands, *value_operands[:4], *rotary,
+            attention_scaling, mask, scaling, *exact, *scale_levels, predictor]
 
 
 _PRECOMPUTED = slice(13, 16)  # key_table, rotary_cos, rotary_sin
@@ -148,7 +158,8 @@ def _reference(*args):
 
 
 @coded_attention.register_kernel("cpu")
-def _coded_attention_cpu(*args):
+def _coded_attention_cpu(*grouped):
+    args = positional_arguments(*grouped)
     if os.environ.get("HF_KVCODECS_KERNELS", "auto") == "reference":
         return _reference(*args)
     from .cpu import coded_attention_cpu
@@ -161,7 +172,8 @@ def _power_of_two(value: int) -> bool:
 
 
 @coded_attention.register_kernel("cuda")
-def _coded_attention_cuda(*args):
+def _coded_attention_cuda(*grouped):
+    args = positional_arguments(*grouped)
     head_dim = args[0].shape[-1]
     if not triton_available() or head_dim < 32 or not _power_of_two(head_dim):  # shapes the kernel does not tile
         return _reference(*args)

@@ -12,6 +12,7 @@ from hf_kvcodecs import GSRQCache, GSRQCodebooks
 from hf_kvcodecs.codecs.conditional import ConditionalHeadResidualVQ, fit_conditional_head_residual_vq
 from hf_kvcodecs.codecs.residual import fit_transform_residual_vq, relative_mse
 from hf_kvcodecs.gsrq import fit_gsrq_codebooks
+from hf_kvcodecs.gsrq.attention import conditional_key_table_of
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.kernels import reference
 from hf_kvcodecs.kernels.cpu import prerope_decode_attention
@@ -114,7 +115,7 @@ def test_compiled_conditional_key_loop_matches_float64_dequantize_then_attend(fi
     mask[1, :, :7] = -float("inf")  # a padded row
     value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.attention_operands()
     out, _ = prerope_decode_attention(
-        native_ops(), query, codes, scales, codec.scale_level_table("cpu"), *codec.conditional_key_table(), cos, sin,
+        native_ops(), query, codes, scales, codec.scale_level_table("cpu"), *conditional_key_table_of(codec), cos, sin,
         codec.codebook_size, value_codes, value_scales, None, value_codebooks, value_stage_groups, value_mean,
         value_synthesis, mask, 0.125, exact_keys, exact_values, None, conditional_keys=True,
     )

@@ -137,13 +137,14 @@ def test_same_model_table_compares_each_row_with_the_caches_that_ran_on_its_copy
 
 
 def test_decode_command_records_the_group_sizes_and_the_parser_refuses_a_non_positive_one(capsys):
-    from hf_kvcodecs.cli import _decode_command, build_parser
+    from hf_kvcodecs.cli import build_parser
+    from hf_kvcodecs.cli.bench.decode import command_line
 
     parser = build_parser()
     args = parser.parse_args(["bench", "decode", "--group-dim", "8", "32", "--only", "rebuilt from codes$"])
     assert args.group_dim == [8, 32]
-    assert _decode_command(args).endswith("--only 'rebuilt from codes$' --group-dim 8 32")
-    assert "--group-dim" not in _decode_command(parser.parse_args(["bench", "decode"]))
+    assert command_line(args).endswith("--only 'rebuilt from codes$' --group-dim 8 32")
+    assert "--group-dim" not in command_line(parser.parse_args(["bench", "decode"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["bench", "decode", "--group-dim", "0"])
     assert "expected a positive integer" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from hf_kvcodecs.codecs.residual import (
     joint_rate_distortion_reference,
     relative_mse,
 )
+from hf_kvcodecs.gsrq.attention import shared_key_table
 from hf_kvcodecs.kernels import reference
 
 HEADS, DIM = 3, 16
@@ -87,8 +88,8 @@ def test_prefixes_state_dict_and_attention_operands_describe_the_same_code():
     from_operands = reference.dequantize_reference(codes[None], joint.scale_values(scales)[None], mean, synthesis,
                                                    codebooks, groups)
     assert torch.allclose(from_operands[0], joint.decode(codes, scales), atol=1e-5)
-    folded = joint.folded_table()
-    assert folded.shape == (HEADS, 6 * 32, DIM) and prefix.folded_table() is folded  # prefixes share the table
+    folded = shared_key_table(joint)
+    assert folded.shape == (HEADS, 6 * 32, DIM) and shared_key_table(prefix) is folded  # prefixes share the table
 
 
 def test_joint_fit_rejects_a_metric_and_bad_samples():

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from hf_kvcodecs.kernels import backend_for, coded_attention, ops, reference, residual_encode
+from hf_kvcodecs.kernels import backend_for, ops, reference, residual_encode
 from hf_kvcodecs.kernels.cpu import (
     FixedPointKeyTable,
     coded_attention_cpu,
@@ -94,6 +94,19 @@ def arguments(problem):
     return (problem["query"], problem["key_codes"], problem["key_scales"], problem["value_codes"],
             problem["value_scales"], *problem["key_codec"], *problem["value_codec"], problem["positions"],
             problem["inv_freq"], problem["attention_scaling"], problem["mask"], problem["scaling"])
+
+
+def grouped(positional) -> tuple:
+    """The op's arguments from the implementations' positional ones (``ops.positional_arguments`` is the inverse):
+    the op takes each codec's operands, the rotary inputs, the exact tokens and the scale levels as lists."""
+    args = list(positional) + [None] * (27 - len(positional))
+    value_operands = args[9:13] + ([args[26]] if args[26] is not None else [])
+    return (*args[:5], args[5:9], value_operands, args[13:18], args[21:24], args[24:26], args[19], args[18], args[20])
+
+
+def coded_attention(*positional):
+    """The ``hf_kvcodecs::coded_attention`` op, called with the implementations' positional arguments."""
+    return ops.coded_attention(*grouped(positional))
 
 
 def op_arguments(problem):
@@ -287,7 +300,7 @@ def assert_every_op_implementation_matches(args, truth, truth_lse, extra=()):
         out, lse = implementation()
         assert (out.double() - truth).abs().max() < 1e-5, name
         assert torch.allclose(lse.double(), truth_lse, atol=1e-5), name
-    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.coded_attention, grouped(args), test_utils=("test_schema", "test_faketensor"))
 
 
 CONDITIONAL_SHAPES = [
@@ -469,7 +482,7 @@ def test_values_given_keys_match_float64_within_pytorch_error(keys, dtype):
     # without the prediction the same operands give a clearly different output: the term is really added
     without, _ = coded_attention(*args[:-1])
     assert (without.double() - truth).abs().max() > 100 * (2 * pytorch_error + 1e-5)
-    torch.library.opcheck(ops.coded_attention, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.coded_attention, grouped(args), test_utils=("test_schema", "test_faketensor"))
     with pytest.raises(ValueError, match=r"value_predictor must be \[Hkv\*D \+ 1, Hkv\*D\]"):
         ops._reference(*(args[:-1] + [problem["value_predictor"][:-1]]))
     with pytest.raises(ValueError, match=r"value_predictor must be \[Hkv\*D \+ 1, Hkv\*D\]"):
@@ -615,7 +628,7 @@ def test_scale_level_indices_give_the_same_attention_as_scale_values(rope):
         got = run(*(by_index[:13] + by_index[16:]))
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
     assert torch.equal(ops._reference(*by_index)[0], ops._reference(*by_value)[0])
-    torch.library.opcheck(ops.coded_attention, by_index, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.coded_attention, grouped(by_index), test_utils=("test_schema", "test_faketensor"))
 
 
 def test_fully_masked_rows_give_zero_output_and_minus_infinite_lse():
@@ -659,7 +672,7 @@ def test_op_dispatches_to_cpu_implementation_and_has_meta_shapes(monkeypatch):
     meta = [a.to("meta") if isinstance(a, torch.Tensor) else a for a in op_arguments(problem)]
     meta_out, meta_lse = coded_attention(*meta)
     assert meta_out.shape == out.shape and meta_lse.shape == lse.shape and meta_out.device.type == "meta"
-    torch.library.opcheck(ops.coded_attention, op_arguments(problem), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(ops.coded_attention, grouped(op_arguments(problem)), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("dim,stages", [(64, 6), (128, 3)])

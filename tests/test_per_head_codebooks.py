@@ -83,7 +83,7 @@ def test_per_head_key_table_rebuilds_the_decoded_keys(fitted, dtype):
     own, _, test = fitted
     for codec in (own, own.truncated(4)):
         codes, scales = codec.encode(test[:, :50])
-        table, mean = codec.per_head_key_table(dtype)
+        table, mean = cache_attention.per_head_key_table(codec, dtype)
         torch.testing.assert_close(mean, codec.mean)
         assert table.shape == (HEADS, own.num_stages * own.codebook_size, DIM)
         rows = table.float() if isinstance(table, FixedPointKeyTable) else table
@@ -97,8 +97,8 @@ def test_per_head_key_table_rebuilds_the_decoded_keys(fitted, dtype):
 def test_predicted_keys_have_no_per_head_table(fitted):
     predicted = fit_conditional_head_residual_vq(_unlike_heads(800, seed=1), **SETTINGS)
     assert predicted.predicts_across_heads
-    with pytest.raises(ValueError, match="conditional_key_table"):
-        predicted.per_head_key_table()
+    with pytest.raises(ValueError, match="conditional_key_table_of"):
+        cache_attention.per_head_key_table(predicted)
 
 
 @pytest.fixture(scope="module")

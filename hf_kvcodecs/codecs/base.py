@@ -10,6 +10,7 @@ them is :mod:`.layouts`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -73,6 +74,17 @@ class KVCodec:
         """Index bits plus the per-head scales, per KV element."""
         code_bits = self.code_heads * self.num_stages * self.codebook_bits
         return (code_bits + self.num_heads * self.scale_bits) / (self.num_heads * self.head_dim)
+
+    def derived(self, name: str, key, build: Callable[[KVCodec], object]):
+        """A table derived from this codec's operands by someone else (e.g. the CPU attention's key tables): built
+        by ``build(source)`` from the full-rate codec this one was truncated from (or itself), kept on that codec and
+        shared by every rate cut from it, and rebuilt when asked for with another ``key`` (e.g. dtype or device)."""
+        source = getattr(self, "_table_source", None) or self
+        held = source.__dict__.setdefault("_derived", {})
+        entry = held.get(name)
+        if entry is None or entry[0] != key:
+            entry = held[name] = (key, build(source))
+        return entry[1]
 
     def scale_values(self, stored: torch.Tensor) -> torch.Tensor:
         """Scales as numbers from how they are stored (``[..., H, N]``): fp16 as is, 8-bit indices via their level."""

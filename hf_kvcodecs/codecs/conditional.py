@@ -74,8 +74,6 @@ class ConditionalHeadResidualVQ(KVCodec):
     _mixing: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _table_source: ConditionalHeadResidualVQ | None = field(default=None, repr=False, compare=False)
-    _key_table: tuple | None = field(default=None, repr=False, compare=False)
-    _folded: object = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -208,10 +206,11 @@ class ConditionalHeadResidualVQ(KVCodec):
         ``h`` of a token is ``sum_j s_j (mean[j, h] + z_j @ synthesis[j, h])``, ``z_j`` read from head ``j``'s codes
         with head ``j``'s codebooks."""
         if self._operands is None or self._operands[0].device != self.predictors.device:
-            self._operands = self._build_operands()
+            self._operands = self.build_attention_operands()
         return self._operands
 
-    def _build_operands(self):
+    def build_attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What :meth:`attention_operands` returns, built anew and not kept (for a table that replaces them)."""
         dim, heads = self.head_dim, self.num_heads
         mixing = self.mixing().reshape(heads, dim, heads, dim).transpose(1, 2)  # [source, target, D, D]
         order = torch.arange(heads, device=mixing.device)
@@ -222,39 +221,6 @@ class ConditionalHeadResidualVQ(KVCodec):
         codebooks = torch.stack([codebooks for _, _, codebooks, _ in parts])
         stage_groups = torch.stack([groups for *_, groups in parts])
         return tuple(t.contiguous() for t in (means, synthesis, codebooks, stage_groups))
-
-    def conditional_key_table(self, dtype: torch.dtype = torch.float32) -> tuple:
-        """(table in ``dtype`` (``torch.int16``: a ``kernels.cpu.FixedPointKeyTable``), mean) as the compiled CPU
-        attention reads keys (``decode_attention(..., conditional_keys=True)``): ``kernels.cpu.conditional_key_table``
-        of the full-rate codec's operands (lower rates read a prefix of every slice) and the mean pairs as ``[H, H*D]``
-        (float32)."""
-        source = self._table_source or self
-        cached = source._key_table
-        if cached is None or cached[0].device != self.predictors.device or cached[0].dtype != dtype:
-            from ..kernels.cpu import conditional_key_table
-
-            mean, synthesis, codebooks, stage_groups = source._build_operands()  # not kept: the table replaces them
-            source._key_table = (conditional_key_table(synthesis, codebooks, stage_groups, dtype),
-                                 mean.reshape(self.num_heads, -1).contiguous())
-        return source._key_table
-
-    def per_head_key_table(self, dtype: torch.dtype = torch.float32) -> tuple:
-        """Heads coded independently only: (``[H, S'*K, D]`` table, mean ``[H, D]``), each head's own codebooks times
-        its synthesis matrix, as the compiled CPU loop reads per-head keys (the same form as
-        ``TransformResidualVQ.folded_table``, whose heads share one set of codebooks); ``S'`` is the full-rate codec's
-        stages (lower rates read a prefix). Built once per dtype asked last and kept by the full-rate codec."""
-        if self.predicts_across_heads:
-            raise ValueError("Keys predicted across heads are read from conditional_key_table(), not a per-head table.")
-        source = self._table_source or self
-        folded = source._folded
-        if folded is None or folded[0].device != self.predictors.device or folded[0].dtype != dtype:
-            from ..kernels.cpu import FixedPointKeyTable, folded_key_table
-
-            table = torch.cat([folded_key_table(codec.attention_operands()[1], codec.codebooks, codec.stage_groups)
-                               for codec in source.head_codecs])
-            table = FixedPointKeyTable(table, self.codebook_size) if dtype == torch.int16 else table.to(dtype)
-            folded = source._folded = (table, source.mean.contiguous())
-        return folded
 
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.reference import cached_fold_value_prediction
+from ..kernels import cached_fold_value_prediction
 from .base import KVCodec
 from .conditional import ridge_regression
 from .joint import JointHeadResidualVQ, fit_joint_head_residual_vq

@@ -96,7 +96,6 @@ class JointHeadResidualVQ(KVCodec):
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _table_source: JointHeadResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
-    _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
 
     def __post_init__(self):
         if self.shape_codec.num_heads != 1 or self.shape_codec.head_dim % self.num_heads:
@@ -214,19 +213,6 @@ class JointHeadResidualVQ(KVCodec):
             self._operands = (inner.mean[0].reshape(self.num_heads, self.head_dim).contiguous(), per_head.contiguous(),
                               inner.codebooks.contiguous(), inner.stage_groups.contiguous())
         return self._operands
-
-    def folded_table(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``[H, S'*K, D]``: each head's slice of every codeword times the synthesis matrix, in ``dtype`` (see
-        :meth:`TransformResidualVQ.folded_table`)."""
-        if self._table_source is not None:
-            return self._table_source.folded_table(dtype)
-        folded = self._folded
-        if folded is None or folded.device != self.mean.device or folded.dtype != dtype:
-            from ..kernels.cpu import folded_key_table
-
-            _, synthesis, codebooks, stage_groups = self.attention_operands()
-            self._folded = folded_key_table(synthesis, codebooks, stage_groups, dtype)
-        return self._folded
 
     # ---- serialization --------------------------------------------------------------------------------------
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:

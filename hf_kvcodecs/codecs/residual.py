@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..kernels import residual_encode
-from ..kernels.ops import MAX_BEAM_WIDTH
+from ..kernels import MAX_BEAM_WIDTH, residual_encode
 from .base import KVCodec
 from .kmeans import DEFAULT_LEARNER, fit_codebook, nearest_codeword
 from .scales import (
@@ -76,7 +75,6 @@ class TransformResidualVQ(KVCodec):
     _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
     _table_source: TransformResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
-    _folded: object | None = field(default=None, repr=False, compare=False)  # a tensor or a FixedPointKeyTable
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
     _centre: torch.Tensor | None = field(default=None, repr=False, compare=False)  # see _coding_space_mean
 
@@ -206,20 +204,6 @@ class TransformResidualVQ(KVCodec):
             self._operands = (self.mean.contiguous(), synthesis.contiguous(), self.codebooks.contiguous(),
                               self.stage_groups.contiguous())
         return self._operands
-
-    def folded_table(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``[H, S'*K, D]`` codebooks times each head's synthesis matrix (``S' >= num_stages``: shared with the
-        higher-rate codec this one is a prefix of), in ``dtype`` (``torch.int16``: a
-        ``kernels.cpu.FixedPointKeyTable``). Built once (per dtype asked last); the CPU attention reconstructs keys
-        from it."""
-        if self._table_source is not None:
-            return self._table_source.folded_table(dtype)
-        folded = self._folded
-        if folded is None or folded.device != self.codebooks.device or folded.dtype != dtype:
-            from ..kernels.cpu import folded_key_table
-
-            self._folded = folded_key_table(self.attention_operands()[1], self.codebooks, self.stage_groups, dtype)
-        return self._folded
 
     def reconstruct(self, x: torch.Tensor, gain: str = DEFAULT_GAIN, beam_width: int = DEFAULT_BEAM_WIDTH) -> torch.Tensor:
         codes, scales = self.encode(x, gain, beam_width)

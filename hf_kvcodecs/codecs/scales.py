@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.reference import scale_values_from_levels
+from ..kernels import scale_values_from_levels
 
 FP16_SCALE_BITS = 16
 LOG_SCALE_BITS = 8

@@ -14,18 +14,21 @@ import weakref
 import torch
 
 from ..codecs.conditional import ConditionalHeadResidualVQ
-from ..kernels import coded_attention
-from ..kernels.cpu import (
+from ..kernels import (
+    LOOKUP_MAX_ROWS,
     DecodeConstants,
+    FixedPointKeyTable,
+    coded_attention,
+    conditional_key_table,
     conditional_native_supports,
     decode_constants,
     decode_with_constants,
     float_key_table_dtype,
+    folded_key_table,
     fuses_value_prediction,
     native_key_table_dtype,
+    native_ops,
 )
-from ..kernels.cpu_native import native_ops
-from ..kernels.reference import LOOKUP_MAX_ROWS
 
 
 def additive_mask(attention_mask, batch: int, query_length: int, kv_length: int, device) -> torch.Tensor | None:
@@ -121,15 +124,16 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     key_table = _cpu_key_table(key_codec, table_dtype)[0] if wants_table else None
     values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
+    value_operands = (list(value_codec.residual_attention_operands()) + [value_codec.predictor] if values_given_keys
+                      else list(value_codec.attention_operands()))
     out, _ = coded_attention(
         query, layer.key_codes, key_scales, layer.value_codes, value_scales,
-        *key_codec.attention_operands(),
-        *(value_codec.residual_attention_operands() if values_given_keys else value_codec.attention_operands()),
-        key_table, *rotary,
-        layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
-        layer.rope_inv_freq.to(query.device) if pre_rope else None,
-        float(layer.rope_attention_scaling), coded_mask, float(scaling), exact_keys, exact_values, exact_mask,
-        key_levels, value_levels, value_codec.predictor if values_given_keys else None,
+        list(key_codec.attention_operands()), value_operands,
+        [key_table, *rotary,
+         layer.ledger.positions[:, sinks:sinks + codes] if pre_rope else None,
+         layer.rope_inv_freq.to(query.device) if pre_rope else None],
+        [exact_keys, exact_values, exact_mask], [key_levels, value_levels],
+        coded_mask, float(layer.rope_attention_scaling), float(scaling),
     )
     return out.to(query.dtype)
 
@@ -173,9 +177,48 @@ def _cpu_key_table(key_codec, dtype: torch.dtype, per_head: bool = False):
     ``coded_attention`` op takes their operands (pairs of heads, the off-diagonal ones zero)."""
     if isinstance(key_codec, ConditionalHeadResidualVQ):
         if per_head:
-            return key_codec.per_head_key_table(dtype)
-        return key_codec.conditional_key_table(dtype)
-    return key_codec.folded_table(dtype), key_codec.attention_operands()[0]
+            return per_head_key_table(key_codec, dtype)
+        return conditional_key_table_of(key_codec, dtype)
+    return shared_key_table(key_codec, dtype), key_codec.attention_operands()[0]
+
+
+def shared_key_table(key_codec, dtype: torch.dtype = torch.float32):
+    """``[H, S'*K, D]`` codebooks times each head's synthesis matrix (``S' >= num_stages``: shared with the higher-rate
+    codec this one is a prefix of), in ``dtype`` (``torch.int16``: a :class:`~hf_kvcodecs.kernels.FixedPointKeyTable`),
+    for keys coded per head or jointly with codebooks shared by the heads. Built once per dtype asked last."""
+    def build(source):
+        _, synthesis, codebooks, stage_groups = source.attention_operands()
+        return folded_key_table(synthesis, codebooks, stage_groups, dtype)
+
+    return key_codec.derived("cpu_key_table", (key_codec.mean.device, dtype), build)
+
+
+def conditional_key_table_of(key_codec, dtype: torch.dtype = torch.float32) -> tuple:
+    """(table in ``dtype``, mean ``[H, H*D]`` float32) as the compiled CPU attention reads keys coded conditionally
+    across heads: ``kernels.conditional_key_table`` of the full-rate codec's operands (lower rates read a prefix of
+    every slice)."""
+    def build(source):
+        mean, synthesis, codebooks, stage_groups = source.build_attention_operands()  # the table replaces them
+        return (conditional_key_table(synthesis, codebooks, stage_groups, dtype),
+                mean.reshape(source.num_heads, -1).contiguous())
+
+    return key_codec.derived("cpu_conditional_key_table", (key_codec.predictors.device, dtype), build)
+
+
+def per_head_key_table(key_codec, dtype: torch.dtype = torch.float32) -> tuple:
+    """Heads coded independently only: (``[H, S'*K, D]`` table, mean ``[H, D]``), each head's own codebooks times its
+    synthesis matrix, as the compiled CPU loop reads per-head keys (the form of :func:`shared_key_table`); ``S'`` is
+    the full-rate codec's stages (lower rates read a prefix). Built once per dtype asked last."""
+    if key_codec.predicts_across_heads:
+        raise ValueError("Keys predicted across heads are read from conditional_key_table_of(), not a per-head table.")
+
+    def build(source):
+        table = torch.cat([folded_key_table(codec.attention_operands()[1], codec.codebooks, codec.stage_groups)
+                           for codec in source.head_codecs])
+        table = FixedPointKeyTable(table, source.codebook_size) if dtype == torch.int16 else table.to(dtype)
+        return table, source.mean.contiguous()
+
+    return key_codec.derived("cpu_per_head_key_table", (key_codec.predictors.device, dtype), build)
 
 
 def _scales_and_levels(codec, stored: torch.Tensor, device):

@@ -1,0 +1,13 @@
+"""`hf-kvcodecs bench ...`: one module per benchmark, each adding its sub-command and running it."""
+
+from __future__ import annotations
+
+from .._common import HelpFormatter
+from . import codec, decode, kv, memory, split, weights
+
+
+def add_parser(commands) -> None:
+    bench = commands.add_parser("bench", help="benchmarks", description="benchmarks", formatter_class=HelpFormatter)
+    benchmarks = bench.add_subparsers(dest="bench", required=True)
+    for module in (kv, memory, codec, weights, split, decode):
+        module.add_parser(benchmarks)

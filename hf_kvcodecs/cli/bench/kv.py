@@ -1,0 +1,92 @@
+"""`hf-kvcodecs bench kv`: GSRQ against the caches transformers ships: quality, memory, speed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._common import add_command, add_model_arguments, calibration_text, load_model, positive_int
+from ..defaults import (
+    BASELINE_IDS,
+    CALIBRATION,
+    CALIBRATION_TEXT,
+    CODEBOOK_STORE,
+    DEFAULT_KEY_LAYOUT,
+    DEFAULT_VALUE_LAYOUT,
+    EVALUATION_TEXT,
+    GSRQ_LEARNERS,
+    GSRQ_RATES,
+    KEY_LAYOUTS,
+    KV_PASSKEY_CELLS,
+    KV_PASSKEY_TRIALS,
+    KV_WINDOWS,
+    VALUE_LAYOUTS,
+)
+
+
+def add_parser(bench) -> None:
+    kv = add_command(bench, "kv", "GSRQ vs transformers' caches: quality, memory, speed")
+    add_model_arguments(kv)
+    kv.add_argument("--out", type=Path, default=Path("benchmarks/results"),
+                    help="folder for results.json, results.md and quality_vs_bits.png")
+    kv.add_argument("--text", nargs="+", default=None, help=f"evaluation text (default: {EVALUATION_TEXT})")
+    kv.add_argument("--calibration-text", nargs="+", default=None,
+                    help=f"calibration text (default: {CALIBRATION_TEXT})")
+    kv.add_argument("--codebook-store", type=Path, default=None,
+                    help=f"where calibrated codebooks are kept and reused (default: {CODEBOOK_STORE})")
+    kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
+    kv.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="calibration seeds: GSRQ is calibrated and measured once per seed and learner")
+    kv.add_argument("--learners", nargs="+", default=None, choices=GSRQ_LEARNERS,
+                    help="codebook learners to calibrate and measure (default: all of them)")
+    kv.add_argument("--bits", type=float, nargs="+", default=None,
+                    help=f"bits per element of the GSRQ rows (default: {' '.join(f'{r:g}' for r in GSRQ_RATES)})")
+    kv.add_argument("--key-layout", default=None, choices=KEY_LAYOUTS,
+                    help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
+    kv.add_argument("--value-layout", default=None, choices=VALUE_LAYOUTS,
+                    help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
+    kv.add_argument("--group-dim", type=positive_int, default=None,
+                    help=f"channels per residual VQ group of the GSRQ rows (default: {CALIBRATION['group_dim']}; must "
+                         "divide head_dim)")
+    kv.add_argument("--no-layout-variants", dest="layout_variants", action="store_false",
+                    help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
+                         "use the default layout)")
+    kv.add_argument("--baselines", nargs="*", default=None, choices=BASELINE_IDS,
+                    help="transformers caches to measure (default: all; the full-precision reference always runs)")
+    kv.add_argument("--windows", type=positive_int, default=None,
+                    help=f"perplexity/KL windows of evaluation text (default: {KV_WINDOWS['full']}, "
+                         f"{KV_WINDOWS['quick']} with --quick; more narrows the standard errors, up to what the text "
+                         "holds)")
+    kv.add_argument("--passkey-trials", type=positive_int, default=None,
+                    help=f"pass-key haystacks per (length, depth) cell (default: {KV_PASSKEY_TRIALS['full']}, i.e. "
+                         f"{KV_PASSKEY_TRIALS['full'] * KV_PASSKEY_CELLS} haystacks; {KV_PASSKEY_TRIALS['quick']} "
+                         "with --quick)")
+    kv.add_argument("--no-speed", dest="speed", action="store_false", help="skip the decode speed phase")
+    kv.add_argument("--plain-rvq", nargs="*", type=positive_int, default=None, metavar="GROUP_DIM",
+                    help="add plain residual VQ (VQLLM-like: codebooks shared by the heads, no transform, greedy "
+                         "encoder, RMS scale) with each learner's codebooks, calibrated with the first seed, at the "
+                         "same rates, over groups of each GROUP_DIM channels (default: no plain rows; given without "
+                         f"GROUP_DIM: {CALIBRATION['group_dim']})")
+    kv.set_defaults(func=command)
+
+
+def _plain_rvq_group_dims(given: list[int] | None) -> tuple[int, ...]:
+    """``--plain-rvq [GROUP_DIM ...]``: absent → no plain rows; given without sizes → the default group size."""
+    from ...bench.kv import PLAIN_RVQ_GROUP_DIMS
+
+    return () if given is None else tuple(given) or PLAIN_RVQ_GROUP_DIMS
+
+
+def command(args) -> int:
+    from ...bench import kv as benchmark
+
+    loaded = load_model(args)
+    results = benchmark.run_kv_benchmark(
+        loaded, out=args.out, text=args.text or None, calibration_text=calibration_text(args), quick=args.quick,
+        seeds=args.seeds, store=args.codebook_store, learners=args.learners, key_layout=args.key_layout,
+        value_layout=args.value_layout, layout_variants=args.layout_variants, baselines=args.baselines,
+        rates=args.bits or benchmark.GSRQ_RATES, windows=args.windows, passkey_trials=args.passkey_trials,
+        speed=args.speed, plain_rvq=_plain_rvq_group_dims(args.plain_rvq), group_dim=args.group_dim,
+    )
+    print(Path(results["files"]["markdown"]).read_text())
+    print("\nwritten:", ", ".join(results["files"].values()))
+    return 0

@@ -1,0 +1,42 @@
+"""Library values the parser needs for its choices, defaults and help texts.
+
+They live in modules that import torch (or the benchmark harness); copied here, building the parser and printing
+``--help`` import none of them. tests/test_cli.py checks every value against its source, so they cannot drift.
+"""
+
+DEFAULT_MODEL_NAME = "default"  # models.DEFAULT_MODEL_NAME
+CALIBRATION_TEXT = "python-docs"  # text.CALIBRATION_DEFAULT
+EVALUATION_TEXT = "debian-licenses"  # text.EVALUATION_DEFAULT
+# where `ensure_codebooks` keeps calibrated codebooks when no store is given (gsrq.store.default_store)
+CODEBOOK_STORE = "$HF_KVCODECS_CACHE/codebooks, HF_KVCODECS_CACHE defaulting to ~/.cache/hf_kvcodecs"
+
+CODEBOOK_LEARNERS = ("gskm", "gskm-cosine", "gskm-principal", "l2")  # sorted(codecs.kmeans.CODEBOOK_LEARNERS)
+DEFAULT_LEARNER = "l2"  # codecs.kmeans.DEFAULT_LEARNER
+KEY_LAYOUTS = ("per_head", "joint_heads", "per_head_codebooks", "conditional_heads")  # gsrq.codebooks.LAYOUTS["keys"]
+VALUE_LAYOUTS = ("per_head", "joint_heads", "given_keys")  # gsrq.codebooks.LAYOUTS["values"]
+DEFAULT_KEY_LAYOUT = "per_head_codebooks"  # codecs.joint.DEFAULT_KEY_LAYOUT
+DEFAULT_VALUE_LAYOUT = "given_keys"  # codecs.joint.DEFAULT_VALUE_LAYOUT
+POST_ROPE_KEY_LAYOUT = "per_head"  # codecs.joint.POST_ROPE_KEY_LAYOUT
+POST_ROPE_VALUE_LAYOUT = "joint_heads"  # codecs.joint.POST_ROPE_VALUE_LAYOUT
+
+# The fit settings `calibrate` exposes or describes, at the defaults of gsrq.calibrate.fit_gsrq_codebooks (the values
+# gsrq.store.calibration_defaults() reports): a CLI calibration and an API one with the same settings agree.
+CALIBRATION = {"bits": 2.0, "learner": DEFAULT_LEARNER, "transform": "pca", "metric": "none", "key_space": "pre_rope",
+               "group_dim": 8, "scale_bits": 8, "window_tokens": 512, "sampled_tokens_per_window": 256,
+               "num_windows": 32, "holdout_windows": 4, "seed": 0}
+
+GSRQ_LEARNERS = ("gskm-principal", "l2")  # tuple(bench.kv.GSRQ_LEARNERS)
+GSRQ_RATES = (1.0, 2.0)  # bench.kv.GSRQ_RATES
+BASELINE_IDS = ("quanto-4", "quanto-2", "quanto-2-per-token", "hqq-4", "hqq-2")  # tuple(bench.harness.BASELINE_IDS)
+# bench.kv.FULL / bench.kv.QUICK: the `bench kv` protocol settings its --windows and --passkey-trials override
+KV_WINDOWS = {"full": 4, "quick": 1}
+KV_PASSKEY_TRIALS = {"full": 2, "quick": 1}
+# cells of the full pass-key grid: len(FULL["passkey_lengths"]) x len(passkey_depths of harness.evaluate_methods)
+KV_PASSKEY_CELLS = 9
+
+SPLIT_LAYOUTS = ("default", "conditional-keys")  # tuple(bench.bit_split.SPLIT_LAYOUTS)
+SPLIT_OFFSETS = (-0.5, -0.25, 0.0, 0.25, 0.5)  # bench.bit_split.DEFAULT_OFFSETS
+DECODE_CONTEXTS = (1024, 4096, 8192)  # bench.decode.DECODE_CONTEXTS
+DECODE_STEPS = 132  # bench.decode.DECODE_STEPS
+WEIGHT_METHODS = ("fp32", "rtn-w8", "rtn-w4", "rtn-w3", "rtn-w2", "rtn-w4-g32", "rtn-w3-g32", "rtn-w2-g32", "bnb-nf4",
+                  "bnb-int8", "quanto-int4", "quanto-int2")  # bench.weights.METHOD_NAMES
