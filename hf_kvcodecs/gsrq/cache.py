@@ -29,8 +29,13 @@ from ..codecs.residual import (
     check_bit_rate,
     check_encoder_options,
 )
-from ..integrations.attention import CODE_LAYER_ATTRIBUTE, attention_implementation, is_code_attention
-from ..rope import apply_rope, rotary_cos_sin, shared_rotary_half_table, undo_rope
+from ..integrations.attention import (
+    CODE_LAYER_ATTRIBUTE,
+    attention_implementation,
+    enable_code_attention,
+    is_code_attention,
+)
+from ..rope import apply_rope, model_rope_inv_freq, rotary_cos_sin, shared_rotary_half_table, undo_rope
 from .attention import gsrq_layer_attention, uses_codes
 from .codebooks import GSRQCodebooks
 
@@ -530,8 +535,8 @@ class GSRQCache(Cache):
     (after ``import hf_kvcodecs``) or ``model.generate(..., cache=GSRQCache(model.config, codebooks=DIR))``.
     """
 
-    reads_codes = True  # generate(cache_implementation="gsrq") switches the model to code-reading attention
-    takes_model_rope = True  # and passes the model's RoPE frequencies (rope_inv_freq)
+    # cache_config keys that locate the codebooks: per-call codebooks replace a compressed checkpoint's whole group
+    artifact_options = ("codebooks", "codebooks_revision", "codebooks_subfolder")
 
     def __init__(self, config=None, codebooks=None, bits: float | None = None, key_bits: float | None = None,
                  value_bits: float | None = None, window_length: int = DEFAULT_WINDOW_LENGTH,
@@ -613,6 +618,18 @@ class GSRQCache(Cache):
         if self.layers:
             self.layers[-1].is_last_layer = True
         logger.info("GSRQCache attention path: %s", attention)
+
+    @classmethod
+    def for_generate(cls, model, **cache_config) -> GSRQCache:
+        """The cache ``generate(cache_implementation="gsrq", cache_config=...)`` builds for ``model``: unless
+        ``attention="dequantize"``, the model is first switched to the code-reading stand-in of its attention; the
+        cache gets the model's text config and the RoPE frequencies the model applies (a model cast to bf16 rounds
+        them), not only the calibrated ones."""
+        if cache_config.get("attention", "auto") != "dequantize":
+            enable_code_attention(model)
+        cache_config.setdefault("config", model.config.get_text_config(decoder=True))
+        cache_config.setdefault("rope_inv_freq", model_rope_inv_freq(model))
+        return cls(**cache_config)
 
     def _applied_rope_frequencies(self, given: torch.Tensor | None) -> torch.Tensor | None:
         """The frequencies the layers undo and re-apply RoPE with: ``given`` (checked against the calibrated ones)

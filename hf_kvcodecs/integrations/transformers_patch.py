@@ -60,7 +60,14 @@ def _check_transformers():
 
 
 def register_cache_implementation(name: str, factory: Callable) -> None:
-    """Make ``generate(cache_implementation=name, cache_config={...})`` build ``factory(config=..., **cache_config)``."""
+    """Make ``generate(cache_implementation=name, cache_config={...})`` build the cache.
+
+    ``factory.for_generate(model, **cache_config)`` builds it when the factory has that method (a cache that needs
+    more of the model than its config: RoPE frequencies, projections, an attention implementation to switch to),
+    else ``factory(config=<the model's text config>, **cache_config)``. ``factory.artifact_options`` (optional) names
+    the ``cache_config`` keys that locate its fitted artifact, the first naming it: a per-call value for that key
+    replaces the model's default for all of them.
+    """
     generation_configuration, generation_mixin = _check_transformers()
     CACHE_IMPLEMENTATIONS[name] = factory
     if name not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS:
@@ -68,13 +75,13 @@ def register_cache_implementation(name: str, factory: Callable) -> None:
     _wrap_prepare_cache(generation_mixin)
 
 
-def _cache_options(model, generation_config, implementation: str) -> dict:
+def _cache_options(model, generation_config, implementation: str, artifact_options: tuple[str, ...] = ()) -> dict:
     """The cache's keyword arguments: the per-call ``cache_config`` over the model's default one for the same cache.
 
     generate() replaces the model's ``cache_config`` with a per-call one instead of merging them, so on a compressed
-    checkpoint ``cache_config={"bits": 1}`` would drop the codebooks it carries; here per-call keys override the
-    default's and the rest is kept. A shallow copy: codebooks passed as an object are model-level tables, not per-call
-    state."""
+    checkpoint ``cache_config={"bits": 1}`` would drop the artifact (codebooks) it carries; here per-call keys override
+    the default's and the rest is kept. A shallow copy: an artifact passed as an object holds model-level tables, not
+    per-call state."""
     per_call = generation_config.cache_config
     if per_call is not None and not isinstance(per_call, Mapping):
         raise TypeError(f"cache_config must be a dict, got {type(per_call).__name__}: e.g. "
@@ -85,9 +92,8 @@ def _cache_options(model, generation_config, implementation: str) -> dict:
     if getattr(model_default, "cache_implementation", None) != implementation or not isinstance(default_options, Mapping):
         return options
     inherited = dict(default_options)
-    if "codebooks" in options:  # other codebooks: the default's Hub location does not apply to them
-        inherited = {key: value for key, value in inherited.items()
-                     if key not in ("codebooks", "codebooks_revision", "codebooks_subfolder")}
+    if artifact_options and artifact_options[0] in options:  # another artifact: the default's location is not its own
+        inherited = {key: value for key, value in inherited.items() if key not in artifact_options}
     kept = sorted(inherited.keys() - options.keys())
     if kept and options:
         logger.info("cache_config %s given to generate() is merged over the model's default; kept from the default: "
@@ -118,18 +124,14 @@ def _wrap_prepare_cache(generation_mixin) -> None:
         ):
             from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-            cache_kwargs = _cache_options(self, generation_config, implementation)
-            if cache_kwargs.get("attention", "auto") != "dequantize" and getattr(CACHE_IMPLEMENTATIONS[implementation], "reads_codes", False):
-                from .attention import enable_code_attention
-
-                enable_code_attention(self)
-            cache_kwargs.setdefault("config", self.config.get_text_config(decoder=True))
-            if getattr(CACHE_IMPLEMENTATIONS[implementation], "takes_model_rope", False):
-                from ..rope import model_rope_inv_freq
-
-                # the frequencies this model applies (a model cast to bf16 rounds them), not only the calibrated ones
-                cache_kwargs.setdefault("rope_inv_freq", model_rope_inv_freq(self))
-            cache = CACHE_IMPLEMENTATIONS[implementation](**cache_kwargs)
+            factory = CACHE_IMPLEMENTATIONS[implementation]
+            cache_kwargs = _cache_options(self, generation_config, implementation,
+                                          tuple(getattr(factory, "artifact_options", ())))
+            if hasattr(factory, "for_generate"):
+                cache = factory.for_generate(self, **cache_kwargs)
+            else:
+                cache_kwargs.setdefault("config", self.config.get_text_config(decoder=True))
+                cache = factory(**cache_kwargs)
             if self.config.is_encoder_decoder:
                 cache = EncoderDecoderCache(cache, DynamicCache(config=self.config.get_text_config(decoder=True)))
             if getattr(generation_config, "is_assistant", False):
