@@ -45,10 +45,10 @@ class RotaryHalfTable:
     convention both halves of a row are equal), computed as :func:`rotary_cos_sin` computes them.
 
     The code-reading attention on CPU rotates every coded key at every decode step and needs the coded tokens'
-    cos/sin each time: computing them afresh (two [B, N, D] tensors) cost 2.5 ms per step at 4K tokens and 5 ms at 8K
-    on the 2-core machine, mostly allocating; consecutive positions are a slice of this table instead. One table per
-    model's rotary parameters is shared by every cache built for them (:func:`shared_rotary_half_table`), so it is
-    a per-model cost (256 bytes per position for head_dim 64) that memory reports count as shared.
+    cos/sin each time: computing them afresh allocates and fills two [B, N, D] tensors per step, a cost that grows
+    with the context; consecutive positions are a slice of this table instead. One table per model's rotary
+    parameters is shared by every cache built for them (:func:`shared_rotary_half_table`), so it is a per-model cost
+    (256 bytes per position for head_dim 64) that memory reports count as shared.
     """
 
     GROWTH = 1024  # positions added at a time (the table is recomputed whole when it grows)

@@ -28,11 +28,10 @@ CHUNK_TOKENS = 2048  # bounds the transient memory (keys reconstructed, histogra
 CONDITIONAL_HEAD_DIMS = (64, 128)  # what the compiled loop for keys coded conditionally across heads is built for
 MAX_CONDITIONAL_HEADS = 16
 # The tables the compiled loops rebuild pre-RoPE keys from are read at random, one 64-float row per stage and key, and
-# their time is the time those rows take to arrive: 16-bit rows halve the bytes. On an AVX2 CPU with 512 KB of L2 per
-# core (a head's float32 table is 1 MB) float16 rows made the key loop 1.5-1.7x faster at 4K tokens; each row's
-# rounding (relative 2^-11) is far below the keys' quantization error. Fixed-point int16 rows (the default) read the
-# same bytes and add 16 lanes per AVX2 register with no widening per row: the key loop ~1.1x faster again, with a
-# rounding error (about 1e-4 of the largest table entry per key) of the same order as float16's.
+# their time is the time those rows take to arrive: 16-bit rows halve the bytes (a head's float32 table is 1 MB, more
+# than a 512 KB L2 per core holds). Each float16 row's rounding (relative 2^-11) is far below the keys' quantization
+# error. Fixed-point int16 rows (the default) read the same bytes and add 16 lanes per AVX2 register with no widening
+# per row, with a rounding error (about 1e-4 of the largest table entry per key) of the same order as float16's.
 KEY_TABLE_DTYPES = {"int16": torch.int16, "float16": torch.float16, "float32": torch.float32}
 FIXED_POINT_LIMIT = 32767  # int16: the loops add a key's rows in 16-bit lanes
 
@@ -135,8 +134,8 @@ def conditional_native_supports(dim: int, heads: int) -> bool:
 def fuses_value_prediction(conditional: bool, key_code_heads: int, dim: int, heads: int) -> bool:
     """Whether the compiled loop forms the sums that values coded given the keys need while it rebuilds the keys
     (it then takes the predictor itself) rather than from a histogram of the key codes per key head: conditional
-    keys always; keys per head with a code per head and a head_dim the conditional loop reads (twice as fast per
-    layer at 1K-4K tokens on the default model)."""
+    keys always; keys per head with a code per head and a head_dim the conditional loop reads (forming the key sums
+    there costs less than a histogram of every key head's codes)."""
     return conditional or (key_code_heads == heads and conditional_native_supports(dim, heads))
 
 
@@ -259,8 +258,8 @@ def prerope_decode_attention(
     ``key_table`` (a tensor or a :class:`FixedPointKeyTable`) and the coded tokens' ``rotary_cos``/``rotary_sin``
     given, ``[B, N, D]`` or just their first halves ``[B, N, D/2]`` (what the loops read). The CPU kernel of
     ``hf_kvcodecs::coded_attention`` ends here; the GSRQ cache's attention on CPU calls
-    :func:`decode_with_constants` directly, without the Python custom op's dispatch (about 60 us per layer and step
-    with this many arguments).
+    :func:`decode_with_constants` directly, without the Python custom op's dispatch (a per-layer, per-step cost
+    that grows with this many arguments).
 
     ``conditional_keys``: the keys are coded head by head, each conditionally on the heads before it; ``key_table``
     is then :func:`conditional_key_table`'s flat table and ``key_mean`` ``[H, H*D]`` (row ``j``: source head ``j``'s
@@ -291,7 +290,7 @@ def prerope_decode_attention(
 class DecodeConstants(NamedTuple):
     """The operands of ``decode_attention`` that depend only on a layer's codecs, in the form the compiled call reads
     (see :func:`decode_constants`). A GSRQ layer builds them once and passes them at every step: converting and
-    checking them per call was about a third of the Python around each layer's call."""
+    checking them per call would be a large part of the Python around each layer's call."""
 
     key_scale_levels: torch.Tensor | None
     key_table: torch.Tensor
@@ -382,7 +381,7 @@ def _per_batch_row(mask, batch: int, query_length: int):
 def _rotate_in_place(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``keys * cos + rotate_half(keys) * sin``, overwriting ``keys``. Same result as the reference's rotation; it
     allocates one temporary instead of four, which matters on CPU: multi-megabyte temporaries are page-faulted in
-    afresh whenever the allocator hands them back to the OS (measured 0.1 ms vs up to 1.9 ms per 2048-token chunk)."""
+    afresh whenever the allocator hands them back to the OS, which can take longer than the arithmetic."""
     half = keys.shape[-1] // 2
     rotated = keys.roll(half, dims=-1)  # (x_hi, x_lo)
     rotated[..., :half].neg_()  # rotate_half(x) = (-x_hi, x_lo)

@@ -43,20 +43,19 @@ namespace {
 constexpr int64_t kBlockTokens = 256;
 constexpr int64_t kMaxHeadDim = 512;
 // How many tokens ahead the key loops ask for table rows: 8 tokens' rows (~240 cache lines for 15 stages of 64-dim
-// float16 rows) cover the latency of L3; on the AVX2 machine with 512 KB of L2, 8-12 decoded 1.07-1.2x faster than 4.
+// float16 rows) cover the latency of L3; fewer tokens ahead leave part of it exposed where the tables do not fit in
+// L2.
 constexpr int64_t kPrefetchDistance = 8;
 // The fused loop (values coded given the keys) runs one head over a whole tile of up to 2048 tokens. Its first ~400
 // tokens read ~80 % of a 15-stage table's rows, which then mostly stay in L2 for the rest of the tile, and from there
-// on the prefetches (two per 64-dim int16 row, load-port work like any load) cost more than the misses they hide.
-// Zen 4, tables evicted between calls, prefetching for a tile's first 384 tokens instead of throughout: keys per head
-// 1.04x / 1.08x / 1.11x / 1.11x faster per layer at 1K / 2K / 4K / 8K tokens. The conditional loop without the
-// prediction, whose slices share L2 with a partial-key scratch, prefetches throughout (the cut-off there: 0.86x at 1K).
+// on the prefetches (two per 64-dim int16 row, load-port work like any load) cost more than the misses they hide, so
+// they stop after a tile's first kPrefetchTileTokens tokens. The conditional loop without the prediction, whose
+// slices share L2 with a partial-key scratch and so keep missing, prefetches throughout.
 constexpr int64_t kPrefetchTileTokens = 384;
 
 // One SIMD register of floats in GCC/Clang's vector extension, as wide as -march=native allows (loop-based code
 // left the compiler emitting scalar adds for these loops). Never wider than a register: GCC keeps a vector twice a
-// register's width (16 floats on an AVX2 CPU) in memory across loops, so every add became a load and a store
-// (on an AVX2 machine the key loop took 3.1-4.8 ms per layer at 4K tokens that way, 1.8 ms with 8-float vectors).
+// register's width (16 floats on an AVX2 CPU) in memory across loops, so every add would become a load and a store.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 #elif defined(__AVX__)
@@ -271,8 +270,7 @@ void prerope_scores_block_vec(const float* q, const uint8_t* codes, const HeadSc
 // key = mean + step * (the sum of a token's S rows of a fixed-point table: kernels/cpu.py's FixedPointKeyTable, int16
 // rows, row element d standing for step[d] times its value, and no sum of a token's rows can leave int16: the steps
 // are chosen so). The rows add in 16-bit lanes, twice as many per register as float lanes and with no widening per
-// row; the sum is widened and scaled once per key. On the AVX2 machine, 1.1x faster per layer at 4K tokens than
-// float16 rows (which widen each row).
+// row; the sum is widened and scaled once per key, where float16 rows are widened row by row.
 template <int64_t kDim>
 inline void add_fixed_point_rows(const int16_t* table, const uint8_t* token_codes, int64_t stages,
                                  int64_t codebook_size, const Vec* mean, const Vec* step, Vec* key) {
@@ -329,7 +327,7 @@ void prerope_scores_block_fixed(const float* q, const uint8_t* codes, const Head
 // from S rows per source head with no matrix product. The loop runs one target head at a time over a tile of tokens
 // and one source head at a time within it, so that the rows it reads at random come from one slice (R * D values,
 // 1 MB in float32 for the default model, 0.5 MB in float16: it stays in L2 across the tile on most CPUs) instead of
-// all H (H+1) / 2 slices at once (6 MB, read from L3: 3.9x the per-head loop's time at 4K tokens). Sources before h
+// all H (H+1) / 2 slices at once (6 MB, more than an L2 holds: every row would come from L3). Sources before h
 // add into a tile of partial keys; the last source, h itself, completes each key in registers, which is then rotated
 // and dotted with head h's query rows.
 constexpr int64_t kMaxConditionalHeads = 16;
@@ -550,10 +548,9 @@ void with_table_rows(const at::Tensor& table, const Body& body) {
 
 // body(item) for every item of [0, total), on all threads. Each thread owns a contiguous range of items, as with
 // at::parallel_for, and takes them from its front, so it keeps reading one head's table; a thread whose range is
-// done takes the items left at the back of the others' ranges. With a static split, the thread that finished first
-// waited for the other at the end of every call (perf, 4K tokens, a noisy 2-core host: the main thread waited
-// ~16 % of its attention time); the key loop this way made 30 layers' calls 1.00-1.08x faster in four alternated
-// runs. Items must be independent: which thread runs an item does not change any result.
+// done takes the items left at the back of the others' ranges. With a static split, the thread that finishes first
+// waits for the other at the end of every call whenever the cores run at different speeds (a shared or noisy host).
+// Items must be independent: which thread runs an item does not change any result.
 template <typename Body>
 void parallel_items_balanced(int64_t total, const Body& body) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
@@ -687,8 +684,8 @@ struct ConditionalKeySums {
 
 // The fused loop's tiles (values coded given the keys): at most kFusedTileTokens, but enough of them to give every
 // thread work, as its items are whole tiles (all heads) and one tile would leave a second thread idle at 1K context.
-// Each tile reads every head's table afresh; 2048-token tiles (scratch keys 1.5 MB for three 64-dim heads) decoded
-// 1.04-1.05x faster per layer than 1024-token ones at 4K-8K tokens on Zen 4 (512: 0.93-0.94x).
+// Each tile reads every head's table afresh, so longer tiles read the tables less often, at the price of a larger
+// scratch (2048 tokens: scratch keys 1.5 MB for three 64-dim heads).
 constexpr int64_t kFusedTileTokens = 2048;
 int64_t conditional_tile_tokens(int64_t batch, int64_t tokens) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -718,8 +715,8 @@ void weighted_key_sums(const float* weights, int64_t weight_stride, const float*
 }
 
 // Rows in blocks whose accumulators and one key fill at most 28 of AVX-512's 32 vector registers (6 rows of 64-dim
-// keys: 9 query rows take two passes over the keys instead of three, 1.03x per layer at 4K tokens; narrower vectors
-// keep the blocks measured before, 4 and 2 rows); the rest in one block of its own size.
+// keys: 9 query rows take two passes over the keys instead of three; narrower vectors use blocks of 4 and 2 rows);
+// the rest in one block of its own size.
 template <int64_t kDim>
 void weighted_key_sums_rows(const float* weights, int64_t weight_stride, const float* keys, int64_t n, float* sums,
                             int64_t sums_stride, int64_t rows) {
@@ -938,9 +935,9 @@ inline void add_weight_row(float* bin, const float* w) {
 // pass over the weights for all of them. A few stages at a time, each pass's bins multiplied by the codebooks before
 // the next pass reuses them: 12-24 KB for 256 codewords, which stay in L1 while the weights stream past in order.
 // Token by token, each token's adds spread over every stage's bins (737 KB for the default model's 45 value stages),
-// more than a 512 KB L2 holds: 2-3x slower on such a CPU; and a histogram of all stages at once, zeroed and read back,
-// cost ~0.1 ms per layer at any context. The weights and codes are read again by every pass, from L2: two stages per
-// pass halve that traffic (4K tokens, 9 rows of 12 floats, AVX2: 1.3x faster than one stage of 16-float rows).
+// more than a 512 KB L2 holds; and a histogram of all stages at once, zeroed and read back, is a fixed cost per layer
+// at any context. The weights and codes are read again by every pass, from L2: two stages per pass halve that
+// traffic.
 template <int64_t P, int64_t kCount>
 void stage_histograms(const float* weights, const uint8_t* stage_codes, int64_t stages, int64_t tokens,
                       int64_t codebook_size, float* bins) {
@@ -967,7 +964,7 @@ void stage_histogram_wide(const float* weights, const uint8_t* stage_codes, int6
 // into a bin with a few vector read-modify-writes instead of `rows` scalar ones. 9 rows (joint-head values, three
 // heads of three query rows) take 12 floats (16 wastes a third of the bytes streamed), with AVX-512 too: two
 // stages' bins of 256 x 12 floats fit in L1 where 256 x 16 do not, and one pass over the weights for two stages
-// beats one 16-float add per token (Zen 4: the whole decode attention at 4K tokens 1.10-1.13x faster).
+// outweighs the single add per token that 16-float rows would allow.
 int64_t weight_row_floats(int64_t rows) {
   if (rows <= 4) return 4;
   if (rows <= 8) return 8;
@@ -1119,7 +1116,7 @@ std::tuple<at::Tensor, at::Tensor> value_transform_sums(const at::Tensor& probab
 
 // The whole decode-time attention of one layer over pre-RoPE coded keys, jointly with its exact tokens, in one call:
 // what kernels/cpu.py otherwise strings together from a dozen PyTorch ops, each a dispatch and a temporary, per layer
-// and step (measured ~0.2 ms per layer of glue at 1K context, as much as the key loop itself).
+// and step: at short contexts that glue costs as much as the key loop itself.
 //   q [B, H, M, D] f32 (M = query heads per KV head x query_length, row m uses mask row m % query_length);
 //   coded keys as prerope_scores_into takes them; coded values as value_transform_sums takes them, with
 //   value_mean [H, D] and value_synthesis [H, Dt, D] f32; coded_mask [B, Lq, N] / exact_mask [B, Lq, T] additive f32
@@ -1171,7 +1168,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(
   // Values coded given the keys (value_predictor): the key loop also forms the attention-weighted key sums the
   // prediction needs (ConditionalKeySums), tile by tile, with the coded tokens' masks and weights. Keys per head go
   // through the conditional loop for this, each head its own only source; the other way to add the prediction, a
-  // histogram of the key codes per key head (predicted_codes...), cost about twice as much per layer at 1K-4K tokens.
+  // histogram of the key codes per key head (predicted_codes...), is one more pass over every key head's codes.
   const bool fused_prediction = value_predictor.has_value();
   check(!fused_prediction || !predicted_codes.has_value(),
         "give the values' prediction either as value_predictor or as predicted codes and tables, not both");
@@ -1444,8 +1441,8 @@ inline void score_tile(const float* r, int64_t group_dim, const float* book_t, c
 
 void one_residual_scores(const float* r, int64_t group_dim, const float* book_t, const float* half, int64_t size,
                          float* scores) {
-  // kScoreBlocks registers of sums at once: one register's g dependent adds left the loop waiting on the adder's
-  // latency (3-4x slower on an AVX2 CPU)
+  // kScoreBlocks registers of sums at once: one register's g dependent adds would leave the loop waiting on the
+  // adder's latency
   int64_t k = 0;
   for (; k + kScoreBlocks * kLanes <= size; k += kScoreBlocks * kLanes) {
     Vec acc[kScoreBlocks];
@@ -1748,9 +1745,8 @@ at::Tensor residual_encode_beam(const at::Tensor& z, const at::Tensor& codebooks
   for (const auto& stage_list : members) deepest = std::max(deepest, stage_list.size());
   // Rows are searched a tile at a time, group by group, so that a group's codebooks (8 KB per stage at K = 256,
   // g = 8) are reused across the tile's rows rather than all S codebooks passing through for every row (the value
-  // codebooks of the default model are 368 KB). On the AVX2 machine, whose L2 holds them, this alone measured no
-  // faster; the speed came from the scoring and ranking below. Tiles are small enough to give every thread work on
-  // a 32-token flush.
+  // codebooks of the default model are 368 KB, more than some CPUs' L2 holds). Tiles are small enough to give every
+  // thread work on a 32-token flush.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t tile_rows = std::clamp<int64_t>((rows + threads - 1) / threads, 1, kEncodeTileRows);
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;

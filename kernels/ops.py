@@ -201,7 +201,7 @@ def residual_encode(z: Tensor, codebooks: Tensor, stage_groups: Tensor, beam_wid
         from .cpu_native import native_ops
 
         native = native_ops()
-        if native is not None:  # the compiled loop (4x faster than the reference at beam_width=1, 4x at 8)
+        if native is not None:  # the compiled loop: no [rows, beams * K] score tensors, codewords scored in registers
             return native.residual_encode_beam(z.float().contiguous(), codebooks.float().contiguous(),
                                                stage_groups.long().contiguous(), beam_width)
     if beam_width == 1:

@@ -439,7 +439,7 @@ def merge_partial_attention(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> t
 
 def scale_values_from_levels(levels: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """``levels`` ``[H, L]``, ``stored`` ``[..., H, N]`` level indices -> ``[..., H, N]`` float. A gather, not
-    advanced indexing: it was 5x slower as ``levels[heads, stored]``."""
+    advanced indexing (``levels[heads, stored]``), which is several times slower."""
     return levels.expand(*stored.shape[:-2], -1, -1).gather(-1, stored.long())
 
 

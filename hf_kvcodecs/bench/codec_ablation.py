@@ -42,6 +42,7 @@ from ..codecs.residual import (
     relative_mse,
     stages_for_rate,
 )
+from ..integrations.loading import loaded_from
 from ..models import model_fingerprint
 from ..rope import find_rotary_parameters
 from ..text import CALIBRATION_DEFAULT, EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -118,7 +119,8 @@ def run_codec_ablation(
     layers, bits, seeds = tuple(int(layer) for layer in layers), tuple(float(b) for b in bits), tuple(seeds)
     if not set(layers) <= set(range(fingerprint["num_hidden_layers"])):
         raise ValueError(f"layers {layers} are not all in 0..{fingerprint['num_hidden_layers'] - 1}.")
-    # The ablation compares learners and layouts at fixed index bits: fp16 scales, as when it was first run.
+    # The ablation compares learners and layouts at fixed index bits: fp16 scales for every configuration, so that its
+    # rates and tables stay comparable with the recorded ablation (benchmarks/results/codec_ablation.md).
     stages = {b: stages_for_rate(b, head_dim, codebook_bits, FP16_SCALE_BITS) for b in bits}
 
     rope = find_rotary_parameters(model)
@@ -152,7 +154,7 @@ def run_codec_ablation(
     measure.close()
 
     return {
-        "model": {"name_or_path": getattr(model.config, "_name_or_path", ""), **fingerprint},
+        "model": {"name_or_path": loaded_from(model.config) or "", **fingerprint},
         "settings": {
             "layers": list(layers), "bits_per_element": list(bits), "seeds": list(seeds),
             "stages": {_label(b): s for b, s in stages.items()}, "codebook_bits": codebook_bits,

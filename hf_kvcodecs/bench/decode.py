@@ -5,7 +5,7 @@ Speed: the prefill of ``context`` real-text tokens is timed on its own (time to 
 encoding of the prompt included), then ``steps`` single-token decode steps are timed; tokens/s is the steps over their
 total time (throughput: the default 132 steps span four whole flush cycles of the GSRQ cache, which encodes 33 window
 tokens every 33 steps, and about one of quanto's, which re-quantizes every 128, so their periodic costs are counted,
-which the median step time used until 2026-12-01 left out); the reported value is the median over interleaved repeats (the method order
+which a median step time would leave out); the reported value is the median over interleaved repeats (the method order
 rotates each repeat so machine-load drift hits every method alike), and ratios are to the fp32 DynamicCache of the
 same run.
 
@@ -54,9 +54,10 @@ DECODE_CONTEXTS = (1024, 4096, 8192)
 # Throughput window: four whole flush cycles of the GSRQ cache (its window of 32 exact tokens is encoded down to 32
 # once it exceeds 32 + 32, i.e. 33 tokens every 33 steps) and about one of quanto (re-quantizes every 128 tokens).
 DECODE_STEPS = 132
-# Codec layouts measured next to the default (keys per head with each head's own codebooks, values given the keys): the
-# previous defaults (values joint over the heads, first with own then with shared key codebooks), both per head, both
-# joint, and keys coded conditionally on the heads before them (the best-quality layout, with values given the keys).
+# Codec layouts measured next to the default (keys per head with each head's own codebooks, values given the keys), to
+# show what each layout trades between quality and speed: values joint over the heads without the keys' prediction
+# (with own, then with shared key codebooks), both per head, both joint, and keys coded conditionally on the heads
+# before them (the best-quality layout, with values joint and with values given the keys).
 LAYOUT_VARIANTS = ((", values joint over heads", {"value_layout": "joint_heads"}),
                    (", keys per head, shared codebooks, values joint over heads",
                     {"key_layout": "per_head", "value_layout": "joint_heads"}),

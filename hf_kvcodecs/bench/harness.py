@@ -40,6 +40,7 @@ from ..evaluation import (
     strided_windows,
     token_nll,
 )
+from ..integrations.loading import loaded_from
 from ..models import model_fingerprint
 from .memory import cache_bytes, shared_storages
 
@@ -299,7 +300,7 @@ def evaluate_methods(
 
     return {
         "model": {
-            "description": model_description or getattr(model.config, "_name_or_path", "") or shape["model_type"],
+            "description": model_description or loaded_from(model.config) or shape["model_type"],
             "dtype": str(model.dtype).removeprefix("torch."),
             **shape,
         },

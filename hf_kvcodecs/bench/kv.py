@@ -126,9 +126,10 @@ def layout_family(layout: dict) -> str:
                            for name, value in sorted(layout.items())) + ")"
 
 
-# The previous defaults (values coded jointly over the heads without the keys' prediction; keys per head with codebooks
-# shared by the heads; keys and values coded per head vector) and the best-quality layout (keys coded conditionally
-# on the heads before them) next to the default, on the same seed.
+# The simpler layouts the default improves on (values coded jointly over the heads without the keys' prediction; keys
+# per head with codebooks shared by the heads; keys and values coded per head vector) and the best-quality layout (keys
+# coded conditionally on the heads before them) next to the default, on the same seed, so that each row shows what one
+# layout choice buys.
 LAYOUT_VARIANTS = ((", values joint over heads", {"value_layout": "joint_heads"}),
                    (", keys per head, shared codebooks, values joint over heads",
                     {"key_layout": "per_head", "value_layout": "joint_heads"}),

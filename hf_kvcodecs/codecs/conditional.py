@@ -16,14 +16,14 @@ upper triangular, so ``M`` is block upper triangular with identity blocks on the
 tables with ``synthesis_j @ M[j, j:]`` folded in (:meth:`ConditionalHeadResidualVQ.conditional_key_table`); the
 ``hf_kvcodecs::coded_attention`` op takes the pairs ``[j, h]`` (:meth:`ConditionalHeadResidualVQ.attention_operands`).
 
-Measured at 2 bits per element on the default model against the per-head codec with codebooks shared by the heads
-(``benchmarks/explore_key_codebooks.py``, two calibration seeds): teacher-forced KL -48 / -44 %, as low as the
-joint-head keys.
+At 2 bits per element on the default model this lowers teacher-forced KL by 44-48 % (two calibration seeds) against
+the per-head codec with codebooks shared by the heads, as low as the joint-head keys
+(``benchmarks/results/key_codebooks.md``), while keeping one code per head vector.
 
 With the predictors left out (``fit_conditional_head_residual_vq(..., predict=False)``) the same codec codes every
-head independently with its own PCA, codebooks and scale: the ``per_head_codebooks`` key layout, the default since
-2026-12-03, which the compiled CPU loop reads from per-head tables (:meth:`ConditionalHeadResidualVQ.per_head_key_table`)
-as cheaply as keys whose heads share codebooks.
+head independently with its own PCA, codebooks and scale: the ``per_head_codebooks`` key layout, the default, which
+the compiled CPU loop reads from per-head tables (:meth:`ConditionalHeadResidualVQ.per_head_key_table`) as cheaply as
+keys whose heads share codebooks.
 
 The predictor does not commute with RoPE (a RoPE-commuting one, a complex gain per frequency, explained only 17-79 %
 of the energy), so it only applies to keys coded before RoPE.
@@ -47,8 +47,8 @@ from .residual import (
 CONDITIONAL_LAYOUT = "conditional_heads"  # ConditionalHeadResidualVQ.layout
 # Each head with its own PCA, codebooks and scale, and no prediction across heads: the conditional codec with zero
 # predictors. Its keys cost the compiled CPU loop what keys with codebooks shared by the heads cost (one folded table
-# per head either way), and on the default model they lowered teacher-forced KL by a fifth (28 windows) to a third
-# (4 windows, two seeds) against shared codebooks (README, "Keys: own codebooks per head" and issue 2's targets).
+# per head either way), and on the default model they lower teacher-forced KL by a fifth to a third against shared
+# codebooks, so they are the default key layout (codecs.joint.DEFAULT_KEY_LAYOUT).
 PER_HEAD_CODEBOOKS_LAYOUT = "per_head_codebooks"  # HeadCodebooksResidualVQ.layout
 HEAD_SEED_STRIDE = 1000  # head h's codebooks are fitted with seed + HEAD_SEED_STRIDE * h
 

@@ -7,10 +7,10 @@ has them: this codec predicts the values from the *decoded* keys (closed loop, s
 prediction the decoder will add) and codes only what the prediction leaves, jointly over the heads like the default
 value codec, at the same rate.
 
-Held-out relative MSE of the values at 2 bits per element on the default model (layers 0 / 8 / 15 / 22 / 29,
-keys per head at 2 bits, codecs fitted on the same samples; ``benchmarks/explore_value_prediction.py``): joint values
-0.018 / 0.076 / 0.085 / 0.094 / 0.122, given the keys 0.0095 / 0.043 / 0.043 / 0.054 / 0.089. Predicting each value
-head from its own key head only recovered about half of that gain, so the prediction reads every key head.
+On the default model (keys per head at 2 bits, codecs fitted on the same samples) the values' held-out relative MSE
+at 2 bits per element is 1.4-1.9x lower given the keys than coded jointly without them, the gain largest in the early
+layers, whose values the keys explain best (``benchmarks/results/value_prediction.md``). Predicting each value head
+from its own key head only recovers about half of that gain, so the prediction reads every key head.
 
 ``v^ = k^ @ P + b + r^``: ``k^`` the token's decoded pre-RoPE keys (``[H*D]``), ``P`` ``[H*D, H*D]``, ``b`` ``[H*D]``,
 ``r^`` the decoded residual (a :class:`~.joint.JointHeadResidualVQ` code). Keys must be coded before RoPE (a
@@ -22,8 +22,8 @@ Triton kernel computes it that way (``kernels.reference.fold_value_prediction``)
 attention for keys coded jointly over heads or of a head_dim other than 64 or 128. For keys per head (head_dim 64 or
 128) and keys coded conditionally across heads, the compiled CPU loop instead forms ``sum_t p_t k^_t`` while it
 rebuilds the keys, tile by tile (each tile's weights against its own peak, rescaled to the row's afterwards), and
-multiplies it by ``P``: no histogram per key head. On the default model at 2 bits that cuts the prediction's cost per
-layer from about 40-60 % of the attention with jointly coded values to about 15-20 % (1K and 4K tokens).
+multiplies it by ``P``: no histogram per key head, whose cost, one more pass over every key head's codes, would be a
+large share of the attention's.
 The op ``hf_kvcodecs::coded_attention`` takes the predictor itself (``value_predictor``); its reference adds
 ``(sum_t p_t k^_t) @ P`` from attention-weighted sums of the coded keys, chunk by chunk.
 """

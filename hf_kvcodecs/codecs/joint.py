@@ -35,23 +35,20 @@ from .residual import (
     refit_gains,
 )
 
-# Values joint, keys per head. Exploratory runs on the default model (teacher-forced KL at 2 / 1 bits, same
-# evaluation windows): both per head 0.045 / 0.33, values joint 0.030 / 0.23, keys joint 0.034 / 0.24, both joint
-# 0.022 / 0.14. Joint values cost one pass over the shared codes in the decode-time value histogram; joint keys make
-# every key rebuilt for attention sum H times as many rows (decode 1.4-1.8x slower on CPU at 4K-8K context), so they
-# are opt-in. `hf-kvcodecs bench decode` measures all three. Since 2026-12-03 keys per head have each head's own
-# codebooks ("per_head_codebooks", see codecs/conditional.py): teacher-forced KL about a third lower than codebooks
-# shared by the heads, read by the same compiled CPU loop at the same cost; it needs keys coded before RoPE (the default
-# key space), and keys coded after RoPE keep the shared codebooks.
+# Values joint, keys per head. Coding either kind jointly over the heads lowers teacher-forced KL on the default model
+# (values about as much as keys, both together the most). Joint values cost one pass over the shared codes in the
+# decode-time value histogram; joint keys make every key rebuilt for attention sum H times as many rows, which slows
+# CPU decode most at long contexts, so they are opt-in. `hf-kvcodecs bench decode` measures all three. Keys per head
+# have each head's own codebooks ("per_head_codebooks", see codecs/conditional.py): teacher-forced KL about a third
+# lower than codebooks shared by the heads, read by the same compiled CPU loop at the same cost; it needs keys coded
+# before RoPE (the default key space), and keys coded after RoPE keep the shared codebooks.
 DEFAULT_KEY_LAYOUT = "per_head_codebooks"
 POST_ROPE_KEY_LAYOUT = "per_head"
-# Since 2026-12-03 values are coded given the token's decoded keys ("given_keys", codecs/given_keys.py) when the keys
-# are coded before RoPE. On bench kv's 28 windows at 2 bits, against values coded jointly without the prediction:
-# KL 0.026 -> 0.017 and perplexity 0.9 +- 0.4 % lower (paired), pass key 33/36 instead of 35/36 (both misses with
-# the needle near the end of the haystack). CPU decode was 11-12 % slower at 1K-4K tokens and equal at 8K
-# (`bench decode`, same run); since the compiled loop forms the prediction's key sums itself, 1 % / 9 % / 15 % slower
-# at 1K / 4K / 8K in the latest run (2026-12-04; earlier runs 0-24 %: about this host's run-to-run noise). The
-# prediction needs the keys before RoPE, so keys coded after RoPE keep jointly coded values.
+# Values are coded given the token's decoded keys ("given_keys", codecs/given_keys.py) when the keys are coded before
+# RoPE: at 2 bits, against values coded jointly without the prediction, teacher-forced KL about a third lower and
+# perplexity lower (paired, on bench kv's windows), at a CPU decode cost of up to ~15 %, kept small because the
+# compiled loop forms the prediction's key sums while it rebuilds the keys. The prediction needs the keys before RoPE,
+# so keys coded after RoPE keep jointly coded values.
 DEFAULT_VALUE_LAYOUT = "given_keys"
 POST_ROPE_VALUE_LAYOUT = "joint_heads"
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import torch
 
 _EPS = 1e-12
-# Rows scored against a codebook at once: a [rows, K] score block of 1 MB at K = 256 stays in L2 for the argmax
-# (65536 rows, 64 MB, made the assignment step 3x slower on a 2-core CPU).
+# Rows scored against a codebook at once: a [rows, K] score block of 1 MB at K = 256 stays in L2 for the argmax; a
+# block of tens of MB would be written to and read back from memory.
 _CHUNK_ROWS = 1024
-# How k-means++ draws its seeds. 2 (2026-12-02): one uniform per seed against the cumulative D^2 weights, where
-# revision 1 called torch.multinomial, which draws an exponential variate for every point per seed (a third of a
-# calibration's time). Same distribution, other draws: a calibration now gives other codebooks for the same seed than
-# before, of the same quality (recorded with the codebooks as "kmeans_seeding").
+# How k-means++ draws its seeds (recorded with the codebooks as "kmeans_seeding"). 2: one uniform per seed against the
+# cumulative D^2 weights; 1: torch.multinomial, which draws an exponential variate for every point per seed, a large
+# share of a calibration's time. Same distribution, other draws: revision 2 gives other codebooks for the same seed
+# than revision 1, of the same quality.
 KMEANS_SEEDING_REVISION = 2
 
 
@@ -37,10 +37,9 @@ class LearnerSpec:
 
 
 # The learner calibration uses unless told otherwise: plain l2 k-means. In the codec ablation
-# (benchmarks/results/codec_ablation.md) the best GSKM variant, the principal-direction shape, was within 0.5% of l2
-# in relative MSE, but in `bench kv` (benchmarks/results/results.md, two calibration seeds each) l2 codebooks gave
-# lower KL at 2 bits in every run (norm-restoring gain: 0.050 vs 0.066; RMS scale: 0.068 vs 0.090; means of two
-# seeds) and equal KL at 1 bit; see the README.
+# (benchmarks/results/codec_ablation.md) the best GSKM variant, the principal-direction shape, is within 0.5 % of l2
+# in relative MSE, but in `bench kv` (benchmarks/results/results.md, two calibration seeds each) l2 codebooks give
+# lower teacher-forced KL at 2 bits, with the norm-restoring gain and with the RMS scale, and equal KL at 1 bit.
 DEFAULT_LEARNER = "l2"
 # The best GSKM variant of the ablation: the one benchmarks compare with l2.
 BEST_GSKM_LEARNER = "gskm-principal"

@@ -47,8 +47,8 @@ GAIN_CHOICES = ("norm", "least_squares", "rms")
 DEFAULT_GAIN = "norm"
 MAX_NORM_STRETCH = 16.0  # the norm gain never multiplies a decoded shape's length by more than this
 # Code paths encode() keeps per group while searching its stages (1: greedy). On the default model at 2 bits, 8 beams
-# cut teacher-forced KL by 12-15 % against greedy (4: 12 %, 32: no further gain); encoding takes about 5x as long
-# (compiled CPU loop), which makes a 1K-token prefill about twice as long as with the greedy encoder.
+# cut teacher-forced KL by 12-15 % against greedy (4: 12 %, 32: no further gain). The search costs encoding time:
+# it lengthens a prefill, and decode steps only a little (they encode at each flush).
 DEFAULT_BEAM_WIDTH = 8
 
 
@@ -145,7 +145,7 @@ class TransformResidualVQ(KVCodec):
         orthogonal to what it returns), so decoding with the RMS shrinks every vector. ``"norm"`` undoes that:
         gain ``|a| / |b|``, the decoded vector is as long as the input. For attention this matters more than the
         squared error: a shrunken key flattens its attention scores, a shrunken value dims its contribution (on the
-        default model it cut teacher-forced KL by a fifth at 2 bits against the least-squares gain, though its
+        default model it cuts teacher-forced KL by a fifth at 2 bits against the least-squares gain, though its
         squared error is higher). ``"least_squares"``: gain ``<a, b> / |b|^2``, the smallest error for that shape;
         each vector keeps the RMS level when that is better after quantization. Neither costs bits.
         """

@@ -518,8 +518,7 @@ class GSRQCache(Cache):
             ``"codes"`` when ``config`` says the model uses a code-reading attention implementation, else
             ``"dequantize"``. The choice is in ``cache.attention_path``.
         beam_width: code paths the encoder keeps per group of stages (default 8: 12-15 % lower KL at 2 bits on the
-            default model than 1 = greedy, which prefills faster: a 1K-token prompt took 2.0 s instead of 3.9 s on
-            a 2-core CPU; decode speed is the same).
+            default model than 1 = greedy, which encodes, and so prefills, faster; decode speed is the same).
         gain: how each coded vector's scale is chosen once its codes are: ``"norm"`` (default, decoded vectors
             as long as their inputs), ``"least_squares"`` or ``"rms"`` (see ``TransformResidualVQ.encode``).
         rope_inv_freq: the RoPE frequencies the model applies (``hf_kvcodecs.model_rope_inv_freq(model)``), when

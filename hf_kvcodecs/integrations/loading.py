@@ -24,6 +24,11 @@ def was_loaded_from_checkpoint(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, LOADED_MARK, False))
 
 
+def loaded_from(config) -> str | None:
+    """The Hub id or local path a model was loaded from (transformers keeps it in a private config attribute)."""
+    return getattr(config, "_name_or_path", None)
+
+
 def keep_in_fp32_modules(model) -> list[str] | None:
     """The module names a model class keeps in float32 whatever the dtype (transformers' private class attribute),
     which quantizers leave unconverted."""

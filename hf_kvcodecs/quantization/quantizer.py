@@ -32,6 +32,7 @@ from ..hub import looks_like_repo_id
 from ..integrations.loading import (
     install_save_extension,
     keep_in_fp32_modules,
+    loaded_from,
     remove_save_extension,
     was_loaded_from_checkpoint,
 )
@@ -166,7 +167,7 @@ class KVCodecsHfQuantizer(HfQuantizer):
         config = self.quantization_config
         location = config.kv_cache_config[kind.location_key]
         directory = resolve_artifact_dir(kind, location, pre_quantized=self.pre_quantized,
-                                         name_or_path=getattr(model.config, "_name_or_path", None),
+                                         name_or_path=loaded_from(model.config),
                                          checkpoint_files=self.checkpoint_files)
         artifact = kind.load(directory)
         options = {key: value for key, value in config.kv_cache_config.items() if key != kind.location_key}
