@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -48,3 +50,14 @@ def test_bad_calibration_requests(tiny_model, tiny_token_stream):
         fit_gsrq_codebooks(tiny_model, tiny_token_stream, key_space="middle", **SMALL)
     with pytest.raises(ValueError, match="Calibration needs .* tokens"):
         fit_gsrq_codebooks(tiny_model, tiny_token_stream[:100], **SMALL)
+
+
+def test_fit_settings_are_one_object_and_unknown_ones_are_refused():
+    from hf_kvcodecs.gsrq import GSRQFitSettings
+    from hf_kvcodecs.gsrq.store import calibration_defaults
+
+    defaults = GSRQFitSettings()
+    assert calibration_defaults() == dataclasses.asdict(defaults)
+    assert defaults.replaced(bits=1.5, seed=3) == GSRQFitSettings(bits=1.5, seed=3)
+    with pytest.raises(TypeError, match=r"Unknown GSRQ calibration setting\(s\) \['bitz'\]; valid settings: \['bits',"):
+        defaults.replaced(bitz=2)

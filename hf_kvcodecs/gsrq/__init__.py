@@ -5,7 +5,7 @@ Owns the cache config, the codec layouts, the codebooks and their file format (l
 """
 
 from .cache import GSRQCache, GSRQLayer, load_codebooks
-from .calibrate import calibrate_gsrq, fit_gsrq_codebooks
+from .calibrate import GSRQFitSettings, calibrate_gsrq, fit_gsrq_codebooks
 from .codebooks import GSRQCodebooks
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "GSRQLayer", "calibrate_gsrq", "fit_gsrq_codebooks", "load_codebooks"]
+__all__ = ["GSRQCache", "GSRQCodebooks", "GSRQFitSettings", "GSRQLayer", "calibrate_gsrq", "fit_gsrq_codebooks", "load_codebooks"]

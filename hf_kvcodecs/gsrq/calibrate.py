@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,109 +48,141 @@ def calibrate_gsrq(model, tokenizer, *, text=None, **settings) -> GSRQCodebooks:
     return fit_gsrq_codebooks(model, token_ids, text_info=corpus.to_dict(), started=started, **settings)
 
 
-def fit_gsrq_codebooks(
+@dataclass(frozen=True)
+class GSRQFitSettings:
+    """Everything that decides which codebooks a calibration fits (see :func:`fit_gsrq_codebooks`)."""
+
+    bits: float = 2.0  # the highest rate (bits per KV element, scales included) the codebooks serve
+    learner: str = DEFAULT_LEARNER  # codebook learner: codecs.kmeans.CODEBOOK_LEARNERS
+    weighted: bool = True
+    transform: str = "pca"
+    metric: str = "none"  # "attention": fit under attention-weighted error metrics (per-head layouts only)
+    key_space: str = "pre_rope"
+    key_layout: str | None = None  # None: the default for the key space (codecs.joint.resolve_layouts)
+    value_layout: str | None = None
+    group_dim: int = 8
+    codebook_bits: int = 8
+    scale_bits: int = LOG_SCALE_BITS
+    window_tokens: int = 512
+    sampled_tokens_per_window: int = 256
+    num_windows: int = 32
+    holdout_windows: int = 4
+    n_iter: int = 12
+    fit_rows: int = 8192
+    seed: int = 0
+
+    def replaced(self, **changes) -> GSRQFitSettings:
+        """These settings with ``changes``; an unknown name is an error that lists the valid ones."""
+        names = [field.name for field in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(f"Unknown GSRQ calibration setting(s) {unknown}; valid settings: {names}.")
+        return dataclasses.replace(self, **changes)
+
+
+def fit_gsrq_codebooks(model, token_ids: torch.Tensor, *, text_info: dict, settings: GSRQFitSettings | None = None,
+                       out: str | Path | None = None, overwrite: bool = False, progress: bool = True,
+                       started: float | None = None, **changes) -> GSRQCodebooks:
+    """Fit GSRQ codebooks on already tokenized text (``token_ids``: 1-D LongTensor; ``text_info`` describes it).
+
+    ``settings`` (default :class:`GSRQFitSettings`), with any of its fields given as keyword arguments on top, choose
+    the codec: ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` (see
+    ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are); ``key_layout`` None is
+    ``per_head_codebooks`` for keys coded before RoPE and ``per_head`` after (``codecs.joint.resolve_layouts``),
+    ``value_layout`` None ``given_keys`` before RoPE and ``joint_heads`` after (same function). Held-out windows
+    (after the calibration windows) measure the relative MSE per layer next to the Gaussian rate-distortion
+    reference. ``out`` saves the codebooks there (``overwrite`` replaces codebooks already in it).
+    """
+    settings = (settings or GSRQFitSettings()).replaced(**changes)
+    return _fit_codebooks(model, token_ids, settings, text_info=text_info, out=out, overwrite=overwrite,
+                          progress=progress, started=started)
+
+
+def _fit_codebooks(
     model,
     token_ids: torch.Tensor,
+    settings: GSRQFitSettings,
     *,
     text_info: dict,
-    bits: float = 2.0,
-    learner: str = DEFAULT_LEARNER,
-    weighted: bool = True,
-    transform: str = "pca",
-    metric: str = "none",
-    key_space: str = "pre_rope",
-    key_layout: str | None = None,
-    value_layout: str | None = None,
-    group_dim: int = 8,
-    codebook_bits: int = 8,
-    scale_bits: int = LOG_SCALE_BITS,
-    window_tokens: int = 512,
-    sampled_tokens_per_window: int = 256,
-    num_windows: int = 32,
-    holdout_windows: int = 4,
-    n_iter: int = 12,
-    fit_rows: int = 8192,
-    seed: int = 0,
     out: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
     started: float | None = None,
 ) -> GSRQCodebooks:
-    """Fit GSRQ codebooks on already tokenized text (``token_ids``: 1-D LongTensor; ``text_info`` describes it).
-
-    Held-out windows (after the calibration windows) measure the relative MSE per layer next to the Gaussian
-    rate-distortion reference. ``learner``/``weighted``/``transform``/``metric``/``key_space``/``group_dim`` choose the
-    codec (see ``benchmarks/results/codec_ablation.md`` for why the defaults are what they are); ``key_layout`` None
-    is ``per_head_codebooks`` for keys coded before RoPE and ``per_head`` after (``codecs.joint.resolve_layouts``),
-    ``value_layout`` None ``given_keys`` before RoPE and ``joint_heads`` after (same function).
-    """
-    _check_settings(bits=bits, group_dim=group_dim, num_windows=num_windows, holdout_windows=holdout_windows,
-                    window_tokens=window_tokens, out=out, overwrite=overwrite)
-    if key_space not in ("pre_rope", "post_rope"):
-        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {key_space!r}.")
-    key_layout, value_layout = resolve_layouts(key_space, key_layout, value_layout)
-    for kind, layout in (("keys", key_layout), ("values", value_layout)):
+    """:func:`fit_gsrq_codebooks` with every setting spelled out."""
+    _check_settings(settings, out=out, overwrite=overwrite)
+    if settings.key_space not in ("pre_rope", "post_rope"):
+        raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {settings.key_space!r}.")
+    key_layout, value_layout = resolve_layouts(settings.key_space, settings.key_layout, settings.value_layout)
+    settings = dataclasses.replace(settings, key_layout=key_layout, value_layout=value_layout)
+    for kind, layout in (("keys", settings.key_layout), ("values", settings.value_layout)):
         codec = codec_class(layout, kind)
-        if codec.needs_pre_rope_keys and key_space != "pre_rope":
+        if codec.needs_pre_rope_keys and settings.key_space != "pre_rope":
             raise ValueError(f"{kind[:-1]}_layout={layout!r} {codec.pre_rope_reason}: use key_space='pre_rope'.")
     started = time.perf_counter() if started is None else started
     fingerprint = model_fingerprint(model.config)
     head_dim = fingerprint["head_dim"]
     kv_heads = fingerprint["num_key_value_heads"]
-    if head_dim % group_dim:
-        raise ValueError(f"group_dim={group_dim} must divide the model's head_dim={head_dim} (e.g. 8).")
+    if head_dim % settings.group_dim:
+        raise ValueError(f"group_dim={settings.group_dim} must divide the model's head_dim={head_dim} (e.g. 8).")
 
     def stages_for(layout):  # a joint code covers all of a token's heads: its index bits are the budget of all of them
-        return max(1, stages_for_rate(bits, head_dim, codebook_bits, scale_bits, heads_per_code(layout, kv_heads)))
+        return max(1, stages_for_rate(settings.bits, head_dim, settings.codebook_bits, settings.scale_bits,
+                                      heads_per_code(layout, kv_heads)))
 
-    rope = find_rotary_parameters(model) if key_space == "pre_rope" else None
-    needed = (num_windows + holdout_windows) * window_tokens
+    rope = find_rotary_parameters(model) if settings.key_space == "pre_rope" else None
+    needed = (settings.num_windows + settings.holdout_windows) * settings.window_tokens
     if token_ids.numel() < needed:
         raise ValueError(
-            f"Calibration needs {needed} tokens ({num_windows}+{holdout_windows} windows of {window_tokens}), but the "
+            f"Calibration needs {needed} tokens ({settings.num_windows}+{settings.holdout_windows} windows of "
+            f"{settings.window_tokens}), but the "
             f"text ({text_info.get('description')}) has {token_ids.numel()}. Pass more text or fewer windows."
         )
-    if metric not in ("attention", "none"):
-        raise ValueError(f"metric must be 'attention' or 'none', got {metric!r}.")
-    if metric == "attention" and not all(codec_class(layout).supports_metric for layout in (key_layout, value_layout)):
+    if settings.metric not in ("attention", "none"):
+        raise ValueError(f"metric must be 'attention' or 'none', got {settings.metric!r}.")
+    if settings.metric == "attention" and not all(codec_class(layout).supports_metric
+                                                  for layout in (settings.key_layout, settings.value_layout)):
         raise ValueError("metric='attention' needs per-head layouts (its metrics are per head): pass "
                          "value_layout='per_head' and a per-head key layout, per_head_codebooks (the default) or "
                          "per_head (CLI: --value-layout per_head).")
     samples = collect_kv_samples(
-        model, token_ids[: num_windows * window_tokens], window_tokens=window_tokens,
-        sampled_tokens_per_window=sampled_tokens_per_window, num_windows=num_windows, rope=rope, seed=seed,
-        progress=progress, description="calibration activations", measure_queries=metric == "attention",
+        model, token_ids[: settings.num_windows * settings.window_tokens], window_tokens=settings.window_tokens,
+        sampled_tokens_per_window=settings.sampled_tokens_per_window, num_windows=settings.num_windows, rope=rope,
+        seed=settings.seed,
+        progress=progress, description="calibration activations", measure_queries=settings.metric == "attention",
     )
     holdout = collect_kv_samples(
-        model, token_ids[num_windows * window_tokens : needed], window_tokens=window_tokens,
-        sampled_tokens_per_window=sampled_tokens_per_window, num_windows=holdout_windows, rope=rope, seed=seed + 1,
+        model, token_ids[settings.num_windows * settings.window_tokens : needed], window_tokens=settings.window_tokens,
+        sampled_tokens_per_window=settings.sampled_tokens_per_window, num_windows=settings.holdout_windows, rope=rope,
+        seed=settings.seed + 1,
         progress=progress, description="held-out activations",
     )
     collected = time.perf_counter()
-    fit_settings = dict(group_dim=group_dim, codebook_bits=codebook_bits, learner=learner,
-                        weighted=weighted, transform=transform, scale_bits=scale_bits, n_iter=n_iter, fit_rows=fit_rows)
+    fit_settings = {name: getattr(settings, name) for name in ("group_dim", "codebook_bits", "learner", "weighted",
+                                                                "transform", "scale_bits", "n_iter", "fit_rows")}
     key_codecs, value_codecs, per_layer = [], [], []
-    train_keys = samples.keys_pre_rope if key_space == "pre_rope" else samples.keys_post_rope
-    test_keys = holdout.keys_pre_rope if key_space == "pre_rope" else holdout.keys_post_rope
-    projections = attention_projections(model) if metric == "attention" else {}
-    key_codec_class, value_codec_class = codec_class(key_layout), codec_class(value_layout)
-    for layer in tqdm(range(len(train_keys)), desc=f"fitting {learner} codebooks", disable=not progress):
+    train_keys = samples.keys_pre_rope if settings.key_space == "pre_rope" else samples.keys_post_rope
+    test_keys = holdout.keys_pre_rope if settings.key_space == "pre_rope" else holdout.keys_post_rope
+    projections = attention_projections(model) if settings.metric == "attention" else {}
+    key_codec_class, value_codec_class = codec_class(settings.key_layout), codec_class(settings.value_layout)
+    for layer in tqdm(range(len(train_keys)), desc=f"fitting {settings.learner} codebooks", disable=not progress):
         key_weights = value_weights = None
-        if metric == "attention":
-            if key_space == "pre_rope":  # the pair-averaged query metric only holds for keys coded before RoPE
+        if settings.metric == "attention":
+            if settings.key_space == "pre_rope":  # the pair-averaged query metric only holds for keys coded before RoPE
                 key_weights = key_metric(samples.query_mean_squared[layer], kv_heads)
             value_weights = value_metric(projections[layer]["o_proj"].weight, kv_heads, head_dim)
-        key_codec = key_codec_class.fit(train_keys[layer], max_stages=stages_for(key_layout), metric=key_weights,
-                                        seed=seed + 2 * layer, **fit_settings)
+        key_codec = key_codec_class.fit(train_keys[layer], max_stages=stages_for(settings.key_layout), metric=key_weights,
+                                        seed=settings.seed + 2 * layer, **fit_settings)
         decoded_test_keys = key_codec.reconstruct(test_keys[layer])
         if value_codec_class.needs_keys:  # predicted from the keys as the cache will decode them
             value_codec = value_codec_class.fit(
                 samples.values[layer], decoded_keys=key_codec.reconstruct(train_keys[layer]),
-                max_stages=stages_for(value_layout), metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+                max_stages=stages_for(settings.value_layout), metric=value_weights, seed=settings.seed + 2 * layer + 1,
+                **fit_settings)
             decoded_test_values = value_codec.reconstruct(holdout.values[layer], decoded_test_keys)
         else:
-            value_codec = value_codec_class.fit(samples.values[layer], max_stages=stages_for(value_layout),
-                                                metric=value_weights, seed=seed + 2 * layer + 1, **fit_settings)
+            value_codec = value_codec_class.fit(samples.values[layer], max_stages=stages_for(settings.value_layout),
+                                                metric=value_weights, seed=settings.seed + 2 * layer + 1, **fit_settings)
             decoded_test_values = value_codec.reconstruct(holdout.values[layer])
         key_codecs.append(key_codec)
         value_codecs.append(value_codec)
@@ -164,15 +198,16 @@ def fit_gsrq_codebooks(
     finished = time.perf_counter()
     mean = lambda key: sum(p[key] for p in per_layer) / len(per_layer)  # noqa: E731
     config = {
-        "learner": learner, "weighted": weighted, "transform": transform, "metric": metric, "key_space": key_space,
-        "key_layout": key_layout, "value_layout": value_layout, "group_dim": group_dim, "codebook_bits": codebook_bits,
-        "scale_bits": scale_bits, "max_stages": {"keys": stages_for(key_layout), "values": stages_for(value_layout)},
-        "max_bits": bits,
-        "n_iter": n_iter, "fit_rows": fit_rows, "seed": seed,
+        **{name: getattr(settings, name) for name in ("learner", "weighted", "transform", "metric", "key_space",
+                                                       "key_layout", "value_layout", "group_dim", "codebook_bits",
+                                                       "scale_bits")},
+        "max_stages": {"keys": stages_for(settings.key_layout), "values": stages_for(settings.value_layout)},
+        "max_bits": settings.bits,
+        "n_iter": settings.n_iter, "fit_rows": settings.fit_rows, "seed": settings.seed,
     }
     calibration = {
         "text": text_info,
-        "windows": samples.windows, "window_tokens": window_tokens, "tokens_seen": samples.tokens_seen,
+        "windows": samples.windows, "window_tokens": settings.window_tokens, "tokens_seen": samples.tokens_seen,
         "sampled_tokens_per_layer": int(train_keys[0].shape[1]), "holdout_windows": holdout.windows,
         "seconds_collecting": collected - started, "seconds_fitting": finished - collected,
         "seconds_total": finished - started,
@@ -188,15 +223,15 @@ def fit_gsrq_codebooks(
     )
     if out is not None:
         codebooks.save(out, overwrite=overwrite)
-    logger.info("calibrated %s codebooks in %.1fs: %s", learner, finished - started, calibration["holdout_mean"])
+    logger.info("calibrated %s codebooks in %.1fs: %s", settings.learner, finished - started, calibration["holdout_mean"])
     return codebooks
 
 
-def _check_settings(*, bits, group_dim, num_windows, holdout_windows, window_tokens, out, overwrite) -> None:
+def _check_settings(settings: GSRQFitSettings, *, out, overwrite) -> None:
     """Settings checked before any activation is collected (a bad one would otherwise surface minutes later)."""
-    check_bit_rate("bits", bits)
-    for name, value in (("group_dim", group_dim), ("num_windows", num_windows), ("holdout_windows", holdout_windows),
-                        ("window_tokens", window_tokens)):
+    check_bit_rate("bits", settings.bits)
+    for name in ("group_dim", "num_windows", "holdout_windows", "window_tokens"):
+        value = getattr(settings, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     if out is not None:

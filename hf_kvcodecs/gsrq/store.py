@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -13,7 +13,7 @@ from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import DEFAULT_LEARNER
 from ..codecs.residual import ENCODER_REVISION
 from ..models import LoadedModel, model_fingerprint
-from .calibrate import calibrate_gsrq, fit_gsrq_codebooks
+from .calibrate import GSRQFitSettings, calibrate_gsrq
 from .codebooks import FORMAT_VERSION, CodebookFileError, GSRQCodebooks
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,4 @@ def ensure_codebooks(loaded: LoadedModel, *, store: str | Path | None = None, te
 
 def calibration_defaults() -> dict:
     """The default value of every fit setting (what a calibration uses for a setting it is not given)."""
-    return {name: parameter.default for name, parameter in inspect.signature(fit_gsrq_codebooks).parameters.items()
-            if parameter.kind == parameter.KEYWORD_ONLY and parameter.default is not parameter.empty
-            and name not in ("out", "overwrite", "progress", "started")}
+    return dataclasses.asdict(GSRQFitSettings())
