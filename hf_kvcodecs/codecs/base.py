@@ -10,6 +10,7 @@ them is :mod:`.layouts`.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ import torch
 from .scales import FP16_SCALE_BITS, LOG_SCALE_BITS, cached_scale_levels, stored_scale_values
 
 
-class KVCodec:
+class KVCodec(abc.ABC):
     """Base of the codec layouts: their class-level facts and the sizes that follow from a few per-instance ones.
 
     A subclass provides ``num_heads``, ``head_dim``, ``num_stages``, ``group_dim``, ``codebook_bits`` and
@@ -38,10 +39,10 @@ class KVCodec:
     needs_keys: ClassVar[bool] = False  # encode / decode also take the same tokens' decoded pre-RoPE keys
 
     @staticmethod
+    @abc.abstractmethod
     def fit(samples: torch.Tensor, **settings) -> KVCodec:
         """Fit this layout on one layer's calibration samples ``[H, N, D]`` (``max_stages``, ``seed``, the codebook
         settings; ``decoded_keys`` where :attr:`needs_keys`)."""
-        raise NotImplementedError
 
     @classmethod
     def heads_per_code(cls, kv_heads: int) -> int:
