@@ -530,3 +530,27 @@ def test_quantizer_surface_transformers_relies_on():
     assert quantizer.is_serializable() and not quantizer.is_trainable and quantizer.quantized_element_size == 3 / 8
     fake = KVCodecsHfQuantizer(KVCodecsConfig(weight_bits=3, mode="fake"), pre_quantized=False)
     assert fake.is_trainable and fake.is_qat_trainable and fake.quantized_element_size is None
+
+
+def test_a_checkpoint_saved_before_the_layout_refactor_still_loads_and_decodes_the_same():
+    """tests/data/pre_refactor_checkpoint: a tiny W4 g16 model with GSRQ codebooks, saved by the code before the
+    package moved into its layered layout, with its logits then (``expected.json``)."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(__file__).parent / "data" / "pre_refactor_checkpoint"
+    expected = json.loads((folder / "expected.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    prompt = torch.tensor([expected["prompt"]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits[0, -1], torch.tensor(expected["last_logits"]),
+                                   rtol=1e-4, atol=1e-4)
+        out = model.generate(prompt, max_new_tokens=8, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    assert isinstance(out.cache, GSRQCache) and out.cache.attention_path == "codes"
+    assert out.cache.layers[0].region_lengths()["codes"] > 0  # the saved codebooks coded the prompt
+    for step, scores in enumerate(out.scores):
+        torch.testing.assert_close(scores[0], torch.tensor(expected["step_logits"][step]), rtol=1e-3, atol=1e-3)
+    assert out.sequences[0, prompt.shape[1]:].tolist() == expected["generated"]
