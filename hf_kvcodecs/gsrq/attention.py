@@ -122,7 +122,7 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     # the op's arguments are tensors: a float table where the compiled loop would read fixed point
     table_dtype = float_key_table_dtype(native_key_table_dtype()) if native_ops() is not None else torch.float32
     key_table = _cpu_key_table(key_codec, table_dtype)[0] if wants_table else None
-    values_given_keys = getattr(value_codec, "needs_keys", False)  # the op adds the prediction from the key codes
+    values_given_keys = value_codec.needs_keys  # the op adds the prediction from the key codes
     rotary = layer._cos_sin(sinks, sinks + codes) if pre_rope and on_cpu else (None, None)  # shared by all layers
     value_operands = (list(value_codec.residual_attention_operands()) + [value_codec.predictor] if values_given_keys
                       else list(value_codec.attention_operands()))
@@ -155,7 +155,7 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     conditional = _predicted_across_heads(key_codec)
     key_table, key_mean = _cpu_key_table(key_codec, table_dtype, per_head=not conditional)
     prediction = predictor = None
-    if getattr(value_codec, "needs_keys", False):  # values coded given the keys: residual + prediction
+    if value_codec.needs_keys:  # values coded given the keys: residual + prediction
         value_mean, value_synthesis, value_codebooks, value_stage_groups = value_codec.residual_attention_operands()
         if fuses_value_prediction(conditional, key_codec.code_heads, key_codec.head_dim, key_codec.num_heads):
             predictor = value_codec.predictor  # the key loop forms the weighted key sums the predictor needs

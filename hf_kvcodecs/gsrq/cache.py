@@ -350,7 +350,7 @@ class GSRQLayer(CacheLayerMixin):
 
     @property
     def _values_need_keys(self) -> bool:
-        return getattr(self.value_codec, "needs_keys", False)
+        return self.value_codec.needs_keys
 
     @staticmethod
     def _heads_first(states: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [H, B*T, D]
