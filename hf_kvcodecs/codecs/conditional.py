@@ -242,8 +242,7 @@ class ConditionalHeadResidualVQ(KVCodec):
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int,
                         stats=None):
-        head_codecs = [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim)
-                       for head in range(num_heads)]
+        head_codecs = _head_codecs_from_state_dict(tensors, prefix, group_dim, num_heads)
         return cls(head_codecs, tensors[f"{prefix}.predictors"].float(), stats or {})
 
 
@@ -274,9 +273,12 @@ class HeadCodebooksResidualVQ(ConditionalHeadResidualVQ):
         if f"{prefix}.predictors" in tensors:
             raise ValueError(f"{prefix} holds cross-head predictors, but the layout is {cls.layout} (heads coded "
                              f"independently); a {ConditionalHeadResidualVQ.layout} file was relabelled")
-        head_codecs = [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim)
-                       for head in range(num_heads)]
+        head_codecs = _head_codecs_from_state_dict(tensors, prefix, group_dim, num_heads)
         return cls.independent(head_codecs, stats)
+
+
+def _head_codecs_from_state_dict(tensors, prefix: str, group_dim: int, num_heads: int) -> list[TransformResidualVQ]:
+    return [TransformResidualVQ.from_state_dict(tensors, f"{prefix}.head.{head}", group_dim) for head in range(num_heads)]
 
 
 def fit_conditional_head_residual_vq(

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
 from ..gsrq import GSRQCache, calibrate_gsrq
-from ..gsrq import cache as gsrq_cache
+from ..gsrq.cache import DEFAULT_FLUSH_INTERVAL, DEFAULT_NUM_SINK_TOKENS, DEFAULT_WINDOW_LENGTH
 from ..hub import DEFAULT_MODEL_LICENSE, library_versions, model_hub_id
 from ..models import DEFAULT_MODEL_NAME, load_model
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -247,15 +247,15 @@ def _commands(settings: CompressSettings, out: Path, push_to_hub: str | None) ->
 
 def _exact_tokens(cache_options: dict) -> int:
     """Most tokens a GSRQ cache with these options holds without coding any (sinks + window + flush interval)."""
-    return (cache_options.get("num_sink_tokens", gsrq_cache.DEFAULT_NUM_SINK_TOKENS)
-            + cache_options.get("window_length", gsrq_cache.DEFAULT_WINDOW_LENGTH)
-            + cache_options.get("flush_interval", gsrq_cache.DEFAULT_FLUSH_INTERVAL))
+    return (cache_options.get("num_sink_tokens", DEFAULT_NUM_SINK_TOKENS)
+            + cache_options.get("window_length", DEFAULT_WINDOW_LENGTH)
+            + cache_options.get("flush_interval", DEFAULT_FLUSH_INTERVAL))
 
 
 def _fill_cache_defaults(kv_cache: dict) -> None:
-    kv_cache.setdefault("window_length", gsrq_cache.DEFAULT_WINDOW_LENGTH)
-    kv_cache.setdefault("flush_interval", gsrq_cache.DEFAULT_FLUSH_INTERVAL)
-    kv_cache.setdefault("num_sink_tokens", gsrq_cache.DEFAULT_NUM_SINK_TOKENS)
+    kv_cache.setdefault("window_length", DEFAULT_WINDOW_LENGTH)
+    kv_cache.setdefault("flush_interval", DEFAULT_FLUSH_INTERVAL)
+    kv_cache.setdefault("num_sink_tokens", DEFAULT_NUM_SINK_TOKENS)
 
 
 def _state_dict_bytes(model) -> int:
