@@ -1,6 +1,6 @@
 """hf_kvcodecs: drop-in KV-cache, KV-transfer and weight compression for Hugging Face transformers.
 
-Importing the package registers ``cache_implementation="gsrq"`` with ``transformers``' ``generate()``, the
+Importing the package registers ``cache_implementation="gsrq"`` and ``"scd"`` with ``transformers``' ``generate()``, the
 code-reading attention implementations, and ``quant_method="hf_kvcodecs"`` with its quantizers, so
 ``from_pretrained`` loads models compressed by hf_kvcodecs.
 """
@@ -11,11 +11,13 @@ from .integrations.transformers_patch import register_cache_implementation
 from .quantization import KVCodecsConfig
 from .quantization import register as _register_quantization
 from .rope import model_rope_inv_freq
+from .scd import SCDKnowledgeBase, SCDTransferCache
 from .version import __version__
 
 register_cache_implementation("gsrq", GSRQCache)
+register_cache_implementation("scd", SCDTransferCache)
 register_code_attention()
 _register_quantization()
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
+__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "SCDKnowledgeBase", "SCDTransferCache", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
            "register_cache_implementation", "__version__"]

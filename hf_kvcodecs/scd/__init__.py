@@ -1,0 +1,18 @@
+"""SCD: Semantic Cache Distillation. A producer's prefill reaches a (possibly fine-tuned) consumer as compact codes:
+low-rank codes of most layers' pre-RoPE keys and values (Reuse) and of the normalized inputs of a few transition
+layers (Patch), which the consumer projects with its own weights. The consumer rebuilds an ordinary ``DynamicCache``
+(:class:`SCDTransferCache`) and ``generate()`` continues from it.
+
+Offline: :func:`fit_knowledge_base` (``hf-kvcodecs scd fit``). Online: :func:`encode` on the producer,
+:meth:`SCDTransferCache.from_payload` on the consumer.
+"""
+
+from .cache import SCDTransferCache, check_consumer
+from .encode import CODEC_ID, PairMismatchError, encode, encode_stream, encode_with_report, truncate_payload
+from .fit import SCDFitSettings, fit_knowledge_base, full_rank_knowledge_base
+from .knowledge_base import KnowledgeBaseError, LayerPlan, SCDKnowledgeBase
+from .payload import PayloadError
+
+__all__ = ["CODEC_ID", "KnowledgeBaseError", "LayerPlan", "PairMismatchError", "PayloadError", "SCDFitSettings",
+           "SCDKnowledgeBase", "SCDTransferCache", "check_consumer", "encode", "encode_stream", "encode_with_report",
+           "fit_knowledge_base", "full_rank_knowledge_base", "truncate_payload"]

@@ -1,0 +1,362 @@
+"""Offline fitting of an SCD knowledge base for one (producer, consumer) pair, under a stated quality budget.
+
+1. Statistics. Both models run over the same windows of real calibration text; hooks hand over each layer's
+   pre-RoPE keys, values and normalized inputs, and only their first and second moments are kept (float64), per
+   layer: producer keys against consumer keys, the same for values and for normalized inputs.
+2. Maps. Per layer a Reuse map for keys and one for values (PCA codes of the producer's states, decoded by ridge
+   least squares to the consumer's; or reduced-rank regression), and a Patch map (PCA codes of the producer's
+   normalized input decoded to a prediction of the consumer's). Each map's error at every rank comes in closed form
+   from the moments.
+3. The loss constraint. The budget is the mean KL divergence from the oracle (the consumer's own prefill) to the
+   consumer decoding through the rebuilt cache, per continuation token of held-out calibration prompts that the
+   statistics never saw. Patch layers are added greedily where they lower that KL most, then one knob sets every
+   layer's rank (the smallest rank whose excess relative error over the full-rank map is at most ``tau``) and is
+   bisected for the largest ``tau`` (fewest bytes) within the budget, for each code precision; the cheapest
+   feasible plan wins.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers.cache_utils import DynamicCache
+
+from ..codecs.lowrank import CrossMoments, LowRankMap, fit_pca_map, fit_reduced_rank_map, relative_error_by_rank
+from ..text import Corpus
+from .cache import rebuild_into
+from .coding import encode_layer
+from .encode import exact_columns
+from .knowledge_base import CODE_BITS, LayerPlan, SCDKnowledgeBase
+from .model_access import (
+    LayerCapture,
+    model_identity,
+    positions_from_mask,
+    prefill_with_taps,
+    shapes,
+    tokenizer_sha256,
+    unwrapped,
+)
+
+logger = logging.getLogger(__name__)
+ENCODERS = ("pca", "reduced_rank")
+
+
+@dataclass
+class SCDFitSettings:
+    windows: int = 24  # calibration windows the statistics are accumulated over
+    window_tokens: int = 512
+    holdout_prompts: int = 4  # held-out calibration prompts the budget is measured on
+    holdout_context: int = 448
+    holdout_continuation: int = 64
+    exact_tokens: int = 4  # attention sinks: the consumer computes them itself
+    budget_kl: float = 0.05  # mean KL(oracle || SCD) in nats per continuation token
+    encoder: str = "pca"  # "pca": consumer-agnostic progressive codes; "reduced_rank": consumer-specific codes
+    code_bits: tuple[int, ...] = (8, 4)  # precisions tried; the cheapest plan within the budget wins
+    max_patch_layers: int = 4
+    patch_candidates: int = 8  # layers measured as Patch candidates in each greedy round
+    patch_gain: float = 0.05  # a Patch layer must lower the KL by this fraction to be kept
+    ridge: float = 1e-4
+    tau_range: tuple[float, float] = (1e-4, 0.5)
+    bisection_steps: int = 7
+
+    def check(self) -> None:
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"encoder must be one of {ENCODERS}, got {self.encoder!r}.")
+        if any(bits not in CODE_BITS for bits in self.code_bits) or not self.code_bits:
+            raise ValueError(f"code_bits must be a non-empty choice among {CODE_BITS}, got {self.code_bits}.")
+        if self.budget_kl <= 0:
+            raise ValueError("budget_kl must be positive.")
+        if self.window_tokens <= self.exact_tokens + 1 or self.holdout_context <= self.exact_tokens:
+            raise ValueError("Windows and held-out contexts must be longer than the exact tokens.")
+
+
+@dataclass
+class PairMoments:
+    keys: list[CrossMoments]
+    values: list[CrossMoments]
+    inputs: list[CrossMoments]
+    tokens: int = 0
+
+
+def accumulate_pair_moments(producer, consumer, windows: list[torch.Tensor], *, skip_first: int,
+                            progress: bool = True) -> PairMoments:
+    """Paired moments per layer over ``windows`` (each a 1-D token tensor): the producer's states as inputs, the
+    consumer's for the same tokens as targets. Holds one window's producer states at a time."""
+    model_shapes = shapes(producer)
+    if shapes(consumer) != model_shapes:
+        raise ValueError(f"The producer has shapes {shapes(producer)} and the consumer {shapes(consumer)}; SCD pairs "
+                         "models of one architecture (a base model and its fine-tunes).")
+    width, hidden = model_shapes.kv_width, model_shapes.hidden
+    moments = PairMoments([CrossMoments(width, width) for _ in range(model_shapes.layers)],
+                          [CrossMoments(width, width) for _ in range(model_shapes.layers)],
+                          [CrossMoments(hidden, hidden) for _ in range(model_shapes.layers)])
+    held: dict[int, LayerCapture] = {}
+    for window in tqdm(windows, desc="SCD statistics", disable=not progress):
+        ids = window[None].to(next(unwrapped(producer).parameters()).device)
+        held.clear()
+
+        def keep(capture: LayerCapture) -> None:
+            held[capture.index] = LayerCapture(capture.index, capture.keys[0, skip_first:].float().cpu(),
+                                               capture.values[0, skip_first:].float().cpu(),
+                                               capture.inputs[0, skip_first:].float().cpu())
+
+        def pair(capture: LayerCapture) -> None:
+            source = held.pop(capture.index)
+            moments.keys[capture.index].update(source.keys, capture.keys[0, skip_first:].float().cpu())
+            moments.values[capture.index].update(source.values, capture.values[0, skip_first:].float().cpu())
+            moments.inputs[capture.index].update(source.inputs, capture.inputs[0, skip_first:].float().cpu())
+
+        prefill_with_taps(producer, ids, None, keep, all_inputs=True)
+        prefill_with_taps(consumer, ids, None, pair, all_inputs=True)
+        moments.tokens += ids.shape[1] - skip_first
+    return moments
+
+
+@dataclass
+class _Prompt:
+    context: torch.Tensor  # [1, C]
+    continuation: torch.Tensor  # [1, N]
+    captures: list[LayerCapture]  # of the context but its last token
+    oracle_logprobs: torch.Tensor  # [N, V]
+
+
+@dataclass
+class BudgetJudge:
+    """Measures a plan's KL to the oracle on held-out prompts through the same code and rebuild a payload takes."""
+
+    consumer: object
+    kb: SCDKnowledgeBase  # holds every layer's maps; its plan is replaced per measurement
+    prompts: list[_Prompt]
+    measurements: list[dict] = field(default_factory=list)
+
+    @torch.inference_mode()
+    def kl(self, plan: list[LayerPlan], bits: int) -> float:
+        self.kb.plan = plan
+        total, count = 0.0, 0
+        for prompt in self.prompts:
+            cached = prompt.context[:, :-1]
+            mask = torch.ones_like(cached)
+            start = exact_columns(mask, self.kb.exact_tokens)
+            sections = {"input.attention_mask": mask.to(torch.uint8), "input.exact_token_ids": cached[:, :start]}
+            for layer_plan, capture in zip(plan, prompt.captures):
+                sections.update(encode_layer(capture, layer_plan, self.kb, start, bits))
+            cache = DynamicCache(config=unwrapped(self.consumer).config.get_text_config(decoder=True))
+            rebuild_into(cache, self.consumer, self.kb, plan, sections, bits)
+            logprobs = continuation_logprobs(self.consumer, cache, prompt.context, prompt.continuation)
+            total += float(kl_divergence(prompt.oracle_logprobs, logprobs).sum())
+            count += logprobs.shape[0]
+        value = total / max(count, 1)
+        self.measurements.append({"bits": bits, "components": sum(layer.components() for layer in plan),
+                                  "patch_layers": [layer.index for layer in plan if layer.kind == "patch"],
+                                  "kl": value})
+        return value
+
+
+def continuation_logprobs(model, cache, context: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced log-probabilities ``[N, V]`` of the continuation's tokens given a cache of the context:
+    the first predicts ``continuation[0]`` from the context's last position, so the context's last token is fed
+    again as the first input (the cache holds every context token but the last)."""
+    context_length = context.shape[1]
+    inputs = torch.cat((context[:, -1:], continuation[:, :-1]), 1)
+    mask = torch.ones(1, context_length - 1 + inputs.shape[1], dtype=torch.long)
+    positions = positions_from_mask(mask)[:, context_length - 1:]
+    logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
+    return torch.log_softmax(logits[0].float(), -1)
+
+
+def kl_divergence(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(reference || model) per position, in nats."""
+    return (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1)
+
+
+def _fit_maps(moments: PairMoments, settings: SCDFitSettings):
+    fit = fit_pca_map if settings.encoder == "pca" else fit_reduced_rank_map
+    maps: dict[str, list[LowRankMap]] = {"keys": [], "values": [], "inputs": []}
+    curves: dict[str, list[torch.Tensor]] = {"keys": [], "values": [], "inputs": []}
+    for kind in ("keys", "values", "inputs"):
+        for layer_moments in getattr(moments, kind):
+            fitter = fit if kind != "inputs" else fit_pca_map  # Patch codes stay consumer-agnostic
+            mapping = fitter(layer_moments, layer_moments.input_dim, ridge=settings.ridge)
+            maps[kind].append(mapping)
+            curves[kind].append(relative_error_by_rank(layer_moments, mapping))
+    return maps, curves
+
+
+def _rank_for(curve: torch.Tensor, tau: float) -> int:
+    """The smallest rank whose relative error exceeds the full-rank map's by at most ``tau`` (at least 1)."""
+    floor = float(curve[-1])
+    within = (curve - floor <= tau).nonzero()
+    return max(1, int(within[0])) if len(within) else len(curve) - 1
+
+
+def plan_for(tau: float, patch_layers: set[int], curves: dict[str, list[torch.Tensor]]) -> list[LayerPlan]:
+    plan = []
+    for index in range(len(curves["keys"])):
+        if index in patch_layers:
+            plan.append(LayerPlan(index, "patch", patch_rank=_rank_for(curves["inputs"][index], tau)))
+        else:
+            plan.append(LayerPlan(index, "reuse", key_rank=_rank_for(curves["keys"][index], tau),
+                                  value_rank=_rank_for(curves["values"][index], tau)))
+    return plan
+
+
+def _bytes_per_token(plan: list[LayerPlan], bits: int) -> float:
+    probe = SCDKnowledgeBase(plan, {}, {}, {}, bits, 0, {}, {}, None)
+    return probe.bytes_per_token(bits)
+
+
+def merged_identity(model) -> dict | None:
+    """The identity a ``PeftModel`` consumer has once its adapter is merged (``merge_and_unload``), so a knowledge
+    base fitted with the adapter also serves the merged model; None for a model without an adapter."""
+    if not hasattr(model, "merge_and_unload"):
+        return None
+    merged = copy.deepcopy(model).merge_and_unload()
+    return model_identity(merged)
+
+
+def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, settings: SCDFitSettings | None = None,
+                       text_info: Corpus | dict | None = None, tokenizer=None, producer_name: str = "",
+                       consumer_name: str = "", progress: bool = True) -> SCDKnowledgeBase:
+    """Fit the knowledge base for sending ``producer``'s prefill to ``consumer`` (1-D ``calibration_ids`` of real
+    text; its last part is held out for the budget). Returns it unsaved; ``kb.save(DIR)``."""
+    settings = settings or SCDFitSettings()
+    settings.check()
+    started = time.perf_counter()
+    prompt_tokens = settings.holdout_context + settings.holdout_continuation
+    holdout_tokens = settings.holdout_prompts * prompt_tokens
+    needed = holdout_tokens + settings.window_tokens
+    if calibration_ids.numel() < needed:
+        raise ValueError(f"The calibration text has {calibration_ids.numel()} tokens; fitting needs at least {needed} "
+                         f"({settings.holdout_prompts} held-out prompts of {prompt_tokens} and one window of "
+                         f"{settings.window_tokens}). Pass more text or lower the settings.")
+    statistics_ids, holdout_ids = calibration_ids[:-holdout_tokens], calibration_ids[-holdout_tokens:]
+    count = min(settings.windows, statistics_ids.numel() // settings.window_tokens)
+    stride = statistics_ids.numel() // count
+    windows = [statistics_ids[i * stride: i * stride + settings.window_tokens] for i in range(count)]
+    moments = accumulate_pair_moments(producer, consumer, windows, skip_first=settings.exact_tokens, progress=progress)
+    maps, curves = _fit_maps(moments, settings)
+    num_layers = len(maps["keys"])
+
+    prompts = []
+    for index in range(settings.holdout_prompts):
+        ids = holdout_ids[index * prompt_tokens:(index + 1) * prompt_tokens][None]
+        context, continuation = ids[:, :settings.holdout_context], ids[:, settings.holdout_context:]
+        captures: list[LayerCapture] = []
+        # the cache covers the context but its last token, which generate() feeds as the first new input
+        prefill_with_taps(producer, context[:, :-1], None, captures.append, all_inputs=True)
+        oracle = DynamicCache(config=unwrapped(consumer).config.get_text_config(decoder=True))
+        with torch.inference_mode():
+            consumer(input_ids=context[:, :-1], cache=oracle, use_cache=True, logits_to_keep=1)
+            oracle_logprobs = continuation_logprobs(consumer, oracle, context, continuation)
+        prompts.append(_Prompt(context, continuation, captures, oracle_logprobs))
+
+    identity = {**model_identity(producer), "name": producer_name}
+    consumer_identity = {**model_identity(consumer), "name": consumer_name}
+    merged = merged_identity(consumer)
+    if merged is not None:
+        consumer_identity["merged_weights_sha256"] = merged["weights_sha256"]
+    working = SCDKnowledgeBase([], {i: maps["keys"][i] for i in range(num_layers)},
+                               {i: maps["values"][i] for i in range(num_layers)},
+                               {i: maps["inputs"][i] for i in range(num_layers)}, max(settings.code_bits),
+                               settings.exact_tokens, identity, consumer_identity, tokenizer_sha256(tokenizer))
+    judge = BudgetJudge(consumer, working, prompts)
+
+    finest = min(settings.tau_range)
+    best_bits = max(settings.code_bits)
+    search = {"reuse_only_full_rank_kl": None, "patch_rounds": [], "bisection": {}}
+    patch_layers: set[int] = set()
+    current = judge.kl(plan_for(0.0, patch_layers, curves), best_bits)
+    search["reuse_only_full_rank_kl"] = current
+    floors = [float(curves["keys"][i][-1] + curves["values"][i][-1]) for i in range(num_layers)]
+    with tqdm(total=settings.max_patch_layers, desc="SCD patch layers", disable=not progress) as bar:
+        for _ in range(settings.max_patch_layers):
+            candidates = sorted((i for i in range(num_layers) if i not in patch_layers), key=lambda i: -floors[i])
+            trials = {i: judge.kl(plan_for(0.0, patch_layers | {i}, curves), best_bits)
+                      for i in candidates[:settings.patch_candidates]}
+            chosen = min(trials, key=trials.get)
+            search["patch_rounds"].append({"kl_before": current, "trials": trials, "chosen": chosen})
+            if trials[chosen] > current * (1 - settings.patch_gain):
+                break
+            patch_layers.add(chosen)
+            current = trials[chosen]
+            bar.update(1)
+
+    best = None
+    for bits in sorted(settings.code_bits, reverse=True):
+        low, high = math.log(finest), math.log(max(settings.tau_range))
+        trace = []
+        feasible_tau = None
+        if judge.kl(plan_for(finest, patch_layers, curves), bits) <= settings.budget_kl:
+            feasible_tau = finest
+            for _ in range(settings.bisection_steps):
+                middle = (low + high) / 2
+                kl = judge.kl(plan_for(math.exp(middle), patch_layers, curves), bits)
+                trace.append({"tau": math.exp(middle), "kl": kl})
+                if kl <= settings.budget_kl:
+                    low, feasible_tau = middle, math.exp(middle)
+                else:
+                    high = middle
+        search["bisection"][str(bits)] = {"feasible_tau": feasible_tau, "trace": trace}
+        if feasible_tau is None:
+            continue
+        plan = plan_for(feasible_tau, patch_layers, curves)
+        candidate = (_bytes_per_token(plan, bits), bits, feasible_tau, plan)
+        if best is None or candidate[0] < best[0]:
+            best = candidate
+    budget_met = best is not None
+    if not budget_met:
+        # nothing meets the budget: send the finest plan and say so (the report carries the measured KL)
+        plan = plan_for(0.0, patch_layers, curves)
+        best = (_bytes_per_token(plan, 16), 16, 0.0, plan)
+        logger.warning("No plan met the budget of %.4f nats/token (finest measured: %.4f); the knowledge base uses "
+                       "full-rank 16-bit codes.", settings.budget_kl, judge.measurements[-1]["kl"])
+    bytes_per_token, bits, tau, plan = best
+    chosen_kl = judge.kl(plan, bits)
+    model_shapes = shapes(producer)
+    raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
+    fitting = {
+        "settings": {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range)},
+        "text": text_info.to_dict() if isinstance(text_info, Corpus) else (text_info or {}),
+        "statistics_tokens": moments.tokens, "statistics_windows": len(windows),
+        "holdout_prompts": len(prompts), "budget_kl": settings.budget_kl, "budget_met": budget_met,
+        "kl": chosen_kl, "tau": tau, "code_bits": bits, "bytes_per_coded_token": bytes_per_token,
+        "raw_16bit_bytes_per_token": raw_bytes, "compression_vs_16bit": raw_bytes / bytes_per_token,
+        "search": search, "measurements": judge.measurements, "seconds": time.perf_counter() - started,
+        "error_curves": {kind: [[round(float(v), 6) for v in curve] for curve in curves[kind]] for kind in curves},
+    }
+    keys = {layer.index: maps["keys"][layer.index].truncated(layer.key_rank) for layer in plan if layer.kind == "reuse"}
+    values = {layer.index: maps["values"][layer.index].truncated(layer.value_rank) for layer in plan
+              if layer.kind == "reuse"}
+    inputs = {layer.index: maps["inputs"][layer.index].truncated(layer.patch_rank) for layer in plan
+              if layer.kind == "patch"}
+    return SCDKnowledgeBase(plan, keys, values, inputs, bits, settings.exact_tokens, identity, consumer_identity,
+                            tokenizer_sha256(tokenizer), fitting)
+
+
+def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, window_tokens: int = 256,
+                             windows: int = 8, exact_tokens: int = 4, patch_layers: tuple[int, ...] = (),
+                             code_bits: int = 16, ridge: float = 0.0, encoder: str = "pca",
+                             tokenizer=None) -> SCDKnowledgeBase:
+    """A knowledge base at full rank with no budget search (for exactness checks and ablations): every layer's maps
+    at full rank, the given Patch layers, ``code_bits`` codes."""
+    settings = SCDFitSettings(windows=windows, window_tokens=window_tokens, exact_tokens=exact_tokens,
+                              encoder=encoder, ridge=ridge)
+    count = min(windows, calibration_ids.numel() // window_tokens)
+    chunks = [calibration_ids[i * window_tokens:(i + 1) * window_tokens] for i in range(count)]
+    moments = accumulate_pair_moments(producer, consumer, chunks, skip_first=exact_tokens, progress=False)
+    maps, _ = _fit_maps(moments, settings)
+    plan = [LayerPlan(i, "patch", patch_rank=maps["inputs"][i].rank) if i in patch_layers else
+            LayerPlan(i, "reuse", key_rank=maps["keys"][i].rank, value_rank=maps["values"][i].rank)
+            for i in range(len(maps["keys"]))]
+    return SCDKnowledgeBase(plan, {p.index: maps["keys"][p.index] for p in plan if p.kind == "reuse"},
+                            {p.index: maps["values"][p.index] for p in plan if p.kind == "reuse"},
+                            {p.index: maps["inputs"][p.index] for p in plan if p.kind == "patch"}, code_bits,
+                            exact_tokens, {**model_identity(producer), "name": ""},
+                            {**model_identity(consumer), "name": ""}, tokenizer_sha256(tokenizer),
+                            {"settings": asdict(settings), "statistics_tokens": moments.tokens})

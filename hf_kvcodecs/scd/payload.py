@@ -1,0 +1,402 @@
+"""The SCD wire payload: a producer's prefill state, as a JSON manifest plus named raw tensor sections.
+
+A payload crosses a network from a producer to a consumer that may run another build of hf_kvcodecs, so the
+container is built to be parsed from bytes that came from anywhere:
+
+- No pickle (and so no ``torch.load``): unpickling runs code chosen by whoever wrote the bytes. The manifest is JSON
+  and tensors are raw little-endian arrays whose dtype and shape come from a short whitelist, so reading a payload
+  can only ever produce data.
+- Every byte is covered by a check: the magic, version and flags fields are compared with fixed values, the manifest
+  has its own CRC-32 (checked before it is parsed), each section has a CRC-32 in the manifest, and the section sizes
+  must add up to exactly the bytes that follow the manifest. Any single corrupted byte, any truncation and any
+  trailing garbage is rejected, never read as a slightly wrong cache.
+- Allocations are bounded before anything is read: the manifest is capped at ``MAX_MANIFEST_BYTES``, every section's
+  size is derived from its declared shape and checked against the bytes actually present (or, for a stream, against
+  ``max_bytes`` and then against the bytes actually received), so a hostile header cannot make the reader allocate
+  more than the input's own length plus a small constant.
+- The version is in the fixed header, ahead of the manifest, so a consumer too old for a payload says so plainly
+  instead of failing somewhere inside a manifest layout it does not know.
+- Sections are concatenated without padding, in manifest order, so a sender can stream them one by one
+  (``iter_payload_chunks``) and a receiver can read a stream that carries several payloads back to back
+  (``read_payload``).
+
+This module is pure container code: what the manifest's other keys mean (codec, hashes, layer tables) is the caller's
+business, and they are returned untouched. The layout is specified in docs/scd-payload.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any, BinaryIO, NamedTuple
+
+import torch
+
+__all__ = [
+    "FORMAT_VERSION", "MAGIC", "MAX_MANIFEST_BYTES", "MAX_SECTIONS", "PayloadError", "iter_payload_chunks",
+    "pack_payload", "payload_summary", "read_payload", "unpack_payload",
+]
+
+MAGIC = b"HFKVSCD\x00"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_SECTIONS = 4096
+MAX_SECTION_NAME_CHARS = 128
+MAX_SECTION_DIMS = 4
+
+# magic, format version, flags, manifest length, manifest CRC-32
+_HEADER = struct.Struct("<8sHHII")
+HEADER_BYTES = _HEADER.size  # 20
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+    "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_SECTION_KEYS = ("name", "dtype", "shape", "nbytes", "crc32")
+
+# The format is little-endian; on a big-endian host every multi-byte element is swapped on the way in and out.
+_SWAP_BYTES = sys.byteorder != "little"
+
+# A stream is read in requests that start at this size and then grow with the bytes already received, so a section
+# whose declared size is a lie costs at most about twice what the sender actually sent.
+_FIRST_READ_BYTES = 1 << 16
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be packed or must not be trusted; the message says what is wrong with it."""
+
+
+class _Section(NamedTuple):
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    crc32: int
+
+
+# --------------------------------------------------------------------------------------------------------- writing
+
+
+def _section_bytes(name: str, tensor: Any) -> tuple[dict, bytes]:
+    if not isinstance(tensor, torch.Tensor):
+        raise PayloadError(f"section {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if tensor.dtype not in _DTYPE_NAMES:
+        raise PayloadError(f"section {name!r} has dtype {tensor.dtype}, which an SCD payload cannot carry "
+                           f"(supported: {', '.join(_DTYPES)})")
+    if tensor.layout != torch.strided or tensor.device.type == "meta":
+        raise PayloadError(f"section {name!r} is a {tensor.layout} tensor on {tensor.device}; an SCD payload needs a "
+                           f"dense tensor with data")
+    if tensor.dim() > MAX_SECTION_DIMS:
+        raise PayloadError(f"section {name!r} has {tensor.dim()} dimensions; an SCD payload allows at most "
+                           f"{MAX_SECTION_DIMS}")
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.numel() == 0:
+        data = b""
+    else:
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if _SWAP_BYTES and tensor.element_size() > 1:
+            flat = flat.reshape(-1, tensor.element_size()).flip(-1).reshape(-1)
+        data = flat.numpy().tobytes()
+    entry = {"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "nbytes": len(data),
+             "crc32": zlib.crc32(data)}
+    return entry, data
+
+
+def iter_payload_chunks(manifest: dict, sections: Mapping[str, torch.Tensor]) -> Iterator[bytes]:
+    """A payload in pieces: the header and manifest first, then one chunk per section, in ``sections``' order.
+
+    ``b"".join(iter_payload_chunks(manifest, sections)) == pack_payload(manifest, sections)``. Every section is copied
+    to CPU bytes, and every check made, when this is called (the manifest carries each section's CRC-32, and a sender
+    should learn of a bad section before it has written half a payload); what this saves over ``pack_payload`` is
+    the copy that joins the chunks, since each can go to a socket as it comes. ``manifest`` must be a JSON-serialisable dict without a ``"sections"`` key (this function writes that key);
+    it goes through JSON, so tuples come back as lists. Raises ``PayloadError`` for anything the reader would refuse.
+    """
+    if not isinstance(manifest, dict):
+        raise PayloadError(f"the manifest must be a dict, not a {type(manifest).__name__}")
+    if "sections" in manifest:
+        raise PayloadError('the manifest must not contain "sections": pack_payload writes that key itself')
+    if not isinstance(sections, Mapping):
+        raise PayloadError(f"sections must be a mapping of name to tensor, not a {type(sections).__name__}")
+    if len(sections) > MAX_SECTIONS:
+        raise PayloadError(f"{len(sections)} sections; an SCD payload allows at most {MAX_SECTIONS}")
+    entries, chunks = [], []
+    for name, tensor in sections.items():
+        _check_name(name, f"section name {name!r}")
+        entry, data = _section_bytes(name, tensor)
+        entries.append(entry)
+        chunks.append(data)
+    try:
+        text = json.dumps({**manifest, "sections": entries}, ensure_ascii=True, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as error:
+        raise PayloadError(f"the manifest is not JSON-serialisable: {error}") from None
+    encoded = text.encode("ascii")
+    if len(encoded) > MAX_MANIFEST_BYTES:
+        raise PayloadError(f"the manifest encodes to {len(encoded)} bytes; an SCD payload allows at most "
+                           f"{MAX_MANIFEST_BYTES}")
+    # Read the manifest back with the reader's own rules (duplicate keys after int keys became strings, nesting the
+    # reader's recursion limit refuses), so a payload this writes is never one a consumer rejects.
+    try:
+        _parse_manifest(encoded)
+    except PayloadError as error:
+        raise PayloadError(f"the manifest would not read back: {error}") from None
+    # Not a generator: everything is checked when this is called, before a sender has written anything anywhere.
+    return iter([_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(encoded), zlib.crc32(encoded)) + encoded, *chunks])
+
+
+def pack_payload(manifest: dict, sections: Mapping[str, torch.Tensor]) -> bytes:
+    """Serialise ``manifest`` (a JSON-serialisable dict without a ``"sections"`` key) and the named tensors into one
+    payload. Tensors are written contiguous, from CPU copies, in the mapping's order; dtypes are limited to float32,
+    float16, bfloat16, int8, uint8, int32, int64 and shapes to at most 4 dimensions. Raises ``PayloadError``."""
+    return b"".join(iter_payload_chunks(manifest, sections))
+
+
+# --------------------------------------------------------------------------------------------------------- reading
+
+
+def _check_header(header: bytes) -> tuple[int, int]:
+    """Check the fixed header (possibly a short prefix of it, which is checked as far as it goes and then refused as
+    truncated) and return the manifest's declared length and CRC-32."""
+    if not header:
+        raise PayloadError(f"payload truncated: 0 bytes, where an SCD payload starts with a {HEADER_BYTES}-byte header")
+    got = header[:len(MAGIC)]
+    if got != MAGIC[:len(got)]:
+        raise PayloadError(f"not an SCD payload (magic {got!r} != {MAGIC!r})")
+    if len(header) >= 10:
+        (version,) = struct.unpack_from("<H", header, 8)
+        if version != FORMAT_VERSION:
+            raise PayloadError(f"SCD payload format version {version} is not supported by this hf_kvcodecs (reads "
+                               f"version {FORMAT_VERSION}); upgrade hf_kvcodecs on the consumer or re-encode on the "
+                               f"producer")
+    if len(header) >= 12:
+        (flags,) = struct.unpack_from("<H", header, 10)
+        if flags != 0:
+            raise PayloadError(f"SCD payload header has unknown flags 0x{flags:04x} (this hf_kvcodecs knows none)")
+    if len(header) >= 16:
+        (manifest_bytes,) = struct.unpack_from("<I", header, 12)
+        if manifest_bytes > MAX_MANIFEST_BYTES:
+            raise PayloadError(f"SCD payload manifest too long: the header declares {manifest_bytes} bytes, at most "
+                               f"{MAX_MANIFEST_BYTES} are allowed")
+    if len(header) < HEADER_BYTES:
+        raise PayloadError(f"payload truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    _, _, _, manifest_bytes, manifest_crc = _HEADER.unpack(header)
+    return manifest_bytes, manifest_crc
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    # json.loads would keep the last of two equal keys; two readers that keep different ones would disagree.
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise PayloadError(f"the manifest repeats the key {key!r} in one object")
+        result[key] = value
+    return result
+
+
+def _check_name(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_SECTION_NAME_CHARS:
+        raise PayloadError(f"{what} must be a string of 1 to {MAX_SECTION_NAME_CHARS} characters")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_section(index: int, entry: Any) -> _Section:
+    where = f"manifest section #{index}"
+    if not isinstance(entry, dict):
+        raise PayloadError(f"{where} is a {type(entry).__name__}, not an object")
+    missing = [key for key in _SECTION_KEYS if key not in entry]
+    unknown = sorted(key for key in entry if key not in _SECTION_KEYS)
+    if missing or unknown:
+        raise PayloadError(f"{where} must have exactly the keys {list(_SECTION_KEYS)}; missing {missing}, unknown "
+                           f"{unknown}")
+    name = entry["name"]
+    _check_name(name, f"{where}'s name")
+    where = f"manifest section {name!r}"
+    dtype = entry["dtype"]
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise PayloadError(f"{where} has dtype {dtype!r}, which is not one of {', '.join(_DTYPES)}")
+    shape = entry["shape"]
+    if not isinstance(shape, list) or len(shape) > MAX_SECTION_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+        raise PayloadError(f"{where} has shape {shape!r}; a shape is a list of at most {MAX_SECTION_DIMS} "
+                           f"non-negative integers")
+    nbytes, crc = entry["nbytes"], entry["crc32"]
+    expected = math.prod(shape) * _DTYPES[dtype].itemsize
+    if not _is_int(nbytes) or nbytes != expected:
+        raise PayloadError(f"{where} declares nbytes {nbytes!r}, but shape {shape} of {dtype} is {expected} bytes")
+    if not _is_int(crc) or not 0 <= crc <= 0xFFFFFFFF:
+        raise PayloadError(f"{where} has crc32 {crc!r}, which is not a 32-bit unsigned integer")
+    return _Section(name, _DTYPES[dtype], tuple(shape), nbytes, crc)
+
+
+def _parse_manifest(raw: bytes) -> tuple[dict, list[_Section]]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise PayloadError(f"the manifest is not valid UTF-8 ({error.reason} at byte {error.start})") from None
+    try:
+        manifest = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except RecursionError:
+        raise PayloadError("the manifest's JSON is nested too deeply to parse") from None
+    except PayloadError:
+        raise
+    except ValueError as error:  # json.JSONDecodeError, and over-long integer literals
+        raise PayloadError(f"the manifest is not valid JSON: {error}") from None
+    if not isinstance(manifest, dict):
+        raise PayloadError(f"the manifest must be a JSON object, not a {type(manifest).__name__}")
+    if "sections" not in manifest:
+        raise PayloadError('the manifest has no "sections" key')
+    entries = manifest["sections"]
+    if not isinstance(entries, list):
+        raise PayloadError(f'the manifest\'s "sections" must be a list, not a {type(entries).__name__}')
+    if len(entries) > MAX_SECTIONS:
+        raise PayloadError(f"the manifest lists {len(entries)} sections; at most {MAX_SECTIONS} are allowed")
+    sections = [_check_section(index, entry) for index, entry in enumerate(entries)]
+    names: set[str] = set()
+    for section in sections:
+        if section.name in names:
+            raise PayloadError(f"the manifest lists section {section.name!r} twice")
+        names.add(section.name)
+    return manifest, sections
+
+
+def _check_manifest(raw: bytes, declared_crc: int) -> tuple[dict, list[_Section]]:
+    if zlib.crc32(raw) != declared_crc:
+        raise PayloadError("the manifest failed its CRC-32 check (corrupted in transit)")
+    return _parse_manifest(raw)
+
+
+def _tensor(section: _Section, data: bytearray) -> torch.Tensor:
+    """``data`` must be a buffer the caller owns and hands over: the tensor shares its memory."""
+    if zlib.crc32(data) != section.crc32:
+        raise PayloadError(f"section {section.name!r} failed its CRC-32 check (corrupted in transit)")
+    if section.nbytes == 0:
+        return torch.empty(section.shape, dtype=section.dtype)
+    tensor = torch.frombuffer(data, dtype=section.dtype)
+    if _SWAP_BYTES and section.dtype.itemsize > 1:
+        raw = tensor.view(torch.uint8).reshape(-1, section.dtype.itemsize).flip(-1)
+        tensor = raw.contiguous().view(section.dtype).reshape(-1)
+    return tensor.reshape(section.shape)
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"an SCD payload is read from bytes, bytearray or memoryview, not {type(data).__name__}") \
+            from None
+    if not view.c_contiguous:
+        raise PayloadError("an SCD payload must be a contiguous buffer")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _check_sections_fit(sections: list[_Section], present: int) -> None:
+    declared = sum(section.nbytes for section in sections)
+    if declared > present:
+        raise PayloadError(f"payload truncated: the manifest declares {declared} section bytes, {present} are present")
+    if declared < present:
+        raise PayloadError(f"payload has trailing bytes: the manifest declares {declared} section bytes, {present} "
+                           f"are present")
+
+
+def _parse_buffer(data: Any, max_bytes: int) -> tuple[memoryview, int, dict, list[_Section]]:
+    view = _as_bytes_view(data)
+    if view.nbytes > max_bytes:
+        raise PayloadError(f"payload is {view.nbytes} bytes, over the max_bytes limit of {max_bytes}")
+    manifest_bytes, manifest_crc = _check_header(bytes(view[:HEADER_BYTES]))
+    end = HEADER_BYTES + manifest_bytes
+    if view.nbytes < end:
+        raise PayloadError(f"payload truncated: the header declares a {manifest_bytes}-byte manifest, "
+                           f"{view.nbytes - HEADER_BYTES} bytes follow the header")
+    # The manifest is copied before its CRC is taken, so the bytes checked are the bytes parsed even if the caller's
+    # buffer changes underneath.
+    raw = bytes(view[HEADER_BYTES:end])
+    manifest, sections = _check_manifest(raw, manifest_crc)
+    _check_sections_fit(sections, view.nbytes - end)
+    return view, end, manifest, sections
+
+
+def unpack_payload(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 34
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Parse and verify a whole payload held in memory; return ``(manifest, {name: tensor})``.
+
+    The manifest is returned as parsed, ``"sections"`` included; its other keys are the producer's and are not
+    interpreted here. Tensors are fresh CPU tensors (each owns a copy of its bytes), in manifest order. The buffer
+    must be exactly one payload: trailing bytes are an error (use ``read_payload`` for a stream of payloads). A buffer
+    longer than ``max_bytes`` is refused before it is read. Every malformed, truncated or corrupted input raises
+    ``PayloadError``; allocations never exceed about the input's length plus a bounded manifest.
+    """
+    view, offset, manifest, sections = _parse_buffer(data, max_bytes)
+    tensors = {}
+    for section in sections:
+        tensors[section.name] = _tensor(section, bytearray(view[offset:offset + section.nbytes]))
+        offset += section.nbytes
+    return manifest, tensors
+
+
+def _read_up_to(stream: BinaryIO, count: int) -> bytearray:
+    """Read ``count`` bytes, looping over short reads; fewer come back only if the stream ends first. Request sizes
+    grow with what has arrived, so a declared size the stream cannot back costs at most about twice the bytes the
+    stream really held."""
+    chunks: list[bytes] = []
+    received = 0
+    while received < count:
+        request = min(count - received, max(received, _FIRST_READ_BYTES))
+        chunk = stream.read(request)
+        if not chunk:
+            break
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):
+            raise TypeError(f"read_payload needs a binary stream; read() returned {type(chunk).__name__}")
+        if len(chunk) > request:
+            raise PayloadError(f"the stream returned {len(chunk)} bytes for a read of {request}")
+        chunks.append(chunk)
+        received += len(chunk)
+    return bytearray().join(chunks)
+
+
+def _read_exact(stream: BinaryIO, count: int, what: str) -> bytearray:
+    data = _read_up_to(stream, count)
+    if len(data) < count:
+        raise PayloadError(f"payload truncated: {what} needs {count} bytes, the stream ended after {len(data)}")
+    return data
+
+
+def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read one payload from a binary stream (a file, ``socket.makefile("rb")``, ``io.BytesIO``); return what
+    ``unpack_payload`` returns.
+
+    Reads the header, then the manifest, verifies both, and refuses a payload whose declared total size is over
+    ``max_bytes`` before reading any section. Short reads are retried; a stream that ends early raises
+    ``PayloadError("payload truncated ...")``. Reading stops right after the last section, so a stream may carry
+    several payloads back to back; call again for the next one. A blocking stream is assumed (``read`` returning
+    ``None`` or ``b""`` means the stream ended). On an error the stream is left wherever the error was found.
+    """
+    manifest_bytes, manifest_crc = _check_header(bytes(_read_up_to(stream, HEADER_BYTES)))
+    if HEADER_BYTES + manifest_bytes > max_bytes:
+        raise PayloadError(f"payload's header and manifest are {HEADER_BYTES + manifest_bytes} bytes, over the "
+                           f"max_bytes limit of {max_bytes}")
+    raw = bytes(_read_exact(stream, manifest_bytes, "the manifest"))
+    manifest, sections = _check_manifest(raw, manifest_crc)
+    total = HEADER_BYTES + manifest_bytes + sum(section.nbytes for section in sections)
+    if total > max_bytes:
+        raise PayloadError(f"payload declares {total} bytes in all, over the max_bytes limit of {max_bytes}")
+    tensors = {}
+    for section in sections:
+        tensors[section.name] = _tensor(section, _read_exact(stream, section.nbytes, f"section {section.name!r}"))
+    return manifest, tensors
+
+
+def payload_summary(data: bytes | bytearray | memoryview) -> dict:
+    """``{"bytes": total, "manifest_bytes": M, "sections": {name: nbytes}}`` for reports and logs.
+
+    Checks the header, the manifest (with its CRC-32) and that the section sizes add up to the buffer's length, but not
+    the section CRCs, so it is cheap on large payloads; use ``unpack_payload`` to verify the data. Raises
+    ``PayloadError`` for anything that is not one well-formed payload."""
+    view, end, _, sections = _parse_buffer(data, max_bytes=1 << 62)
+    return {"bytes": view.nbytes, "manifest_bytes": end - HEADER_BYTES,
+            "sections": {section.name: section.nbytes for section in sections}}
