@@ -1,0 +1,67 @@
+"""`bench scd` on tiny random models: every method builds a cache the consumer decodes from, the oracle scores zero
+against itself, the trivial pair's SCD matches the oracle, and the report, TTFT sweeps and plot are produced."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaForCausalLM
+
+from hf_kvcodecs.bench.scd import (
+    SCDBenchSettings,
+    kivi_cache,
+    producer_cache,
+    run_scd_bench,
+    scd_markdown,
+    scd_plot,
+    token_f1,
+)
+from hf_kvcodecs.scd import full_rank_knowledge_base
+
+from .conftest import tiny_llama_config
+
+
+def test_kivi_quantization_error_shrinks_with_bits(tiny_model, tiny_token_stream):
+    source = producer_cache(tiny_model, tiny_token_stream[:100][None])
+    errors = [sum(float((ours.keys - layer.keys).abs().mean() + (ours.values - layer.values).abs().mean())
+                  for ours, layer in zip(kivi_cache(source, bits, 32).layers, source.layers)) for bits in (2, 4, 8)]
+    assert errors[0] > errors[1] > errors[2] > 0
+
+
+def test_token_f1():
+    assert token_f1("the pass key is 12345", "12345") == pytest.approx(2 * 0.2 * 1 / 1.2)
+    assert token_f1("12345.", "12345") == 1.0 and token_f1("", "1") == 0.0
+
+
+def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
+    torch.manual_seed(0)
+    producer = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).eval()
+    lora = LoraConfig(r=4, target_modules=["k_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    consumer = get_peft_model(copy.deepcopy(producer), lora).eval()
+    stream = torch.randint(3, 128, (5000,), generator=torch.Generator().manual_seed(2))
+    kb = full_rank_knowledge_base(producer, consumer, stream, window_tokens=128, windows=6, patch_layers=(2,),
+                                  code_bits=8)
+    kb.save(tmp_path / "kb")
+    kvtc = full_rank_knowledge_base(producer, producer, stream, window_tokens=128, windows=6, code_bits=8)
+    kvtc.save(tmp_path / "kvtc")
+    settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
+                                cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,))
+    results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
+                            SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
+                            stream[3000:], "random tokens", settings, progress=False)
+    quality = results["quality"]
+    assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2"}
+    assert quality["oracle"]["kl_mean"] == 0.0 and quality["oracle"]["delta_ppl_pct"] == 0.0
+    assert quality["raw-16"]["kl_mean"] > 0  # the adapter changed k/v projections: producer KV do not fit
+    assert quality["kvtc-like"]["bytes_per_token"] <= quality["scd"]["bytes_per_token"] * 1.05
+    assert results["raw_16bit_bytes_per_token"] == 2 * 4 * 32 * 2
+    sweep = results["ttft"]["cpu_measured__codes_ready"]
+    slow, fast = sweep["raw-16"]["128"]["1"], sweep["raw-16"]["128"]["400"]
+    assert slow > fast and sweep["oracle"]["128"]["1"] == sweep["oracle"]["128"]["400"]
+    assert "| scd |" in scd_markdown(results)
+    scd_plot(results, tmp_path / "scd.png")
+    assert (tmp_path / "scd.png").stat().st_size > 1000
