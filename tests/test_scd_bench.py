@@ -20,9 +20,10 @@ from hf_kvcodecs.bench.scd import (
     scd_plot,
     token_f1,
 )
+from hf_kvcodecs.gsrq import GSRQCodebooks
 from hf_kvcodecs.scd import full_rank_knowledge_base
 
-from .conftest import tiny_llama_config
+from .conftest import TINY_BITS, _tiny_codebooks, tiny_llama_config
 
 
 def test_kivi_quantization_error_shrinks_with_bits(tiny_model, tiny_token_stream):
@@ -48,13 +49,16 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     kb.save(tmp_path / "kb")
     kvtc = full_rank_knowledge_base(producer, producer, stream, window_tokens=128, windows=6, code_bits=8)
     kvtc.save(tmp_path / "kvtc")
+    codebooks = GSRQCodebooks.load(_tiny_codebooks(producer, stream, tmp_path / "codebooks"))
     settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
-                                cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,))
+                                cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
                             SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
-                            stream[3000:], "random tokens", settings, progress=False)
+                            stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks)
     quality = results["quality"]
-    assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2"}
+    assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2",
+                            f"gsrq-{TINY_BITS:g}"}
+    assert 0 < quality[f"gsrq-{TINY_BITS:g}"]["bytes_per_token"] < results["raw_16bit_bytes_per_token"]
     assert quality["oracle"]["kl_mean"] == 0.0 and quality["oracle"]["delta_ppl_pct"] == 0.0
     assert quality["raw-16"]["kl_mean"] > 0  # the adapter changed k/v projections: producer KV do not fit
     assert quality["kvtc-like"]["bytes_per_token"] <= quality["scd"]["bytes_per_token"] * 1.05

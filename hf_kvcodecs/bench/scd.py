@@ -9,6 +9,7 @@ prefill, except the oracle, which is the consumer's own prefill:
   token), asymmetric, one float16 scale and zero per group;
 - ``kvtc-like``: a PCA + 8-bit code of the producer's own KV (a same-model codec: the SCD code path with a knowledge
   base fitted for producer -> producer), truncated to SCD's bytes;
+- ``gsrq-B``: the producer's KV coded by GSRQ at B bits per element (its codebooks fitted for the producer), decoded;
 - ``droidspeak-L``: the producer's KV for layers below L plus its hidden state entering layer L; the consumer
   recomputes layers L.. itself from that hidden state;
 - ``scd``: the knowledge base's Reuse codes and Patch codes.
@@ -55,6 +56,7 @@ class SCDBenchSettings:
     passkey_trials: int = 6
     kivi_group: int = 64  # tokens per key-channel group, channels per value-token group
     droidspeak_layers: tuple[int, ...] = (10, 20)
+    gsrq_bits: tuple[float, ...] = (2.0,)
     seed: int = 0
 
 
@@ -102,6 +104,28 @@ def raw16_cache(source: DynamicCache) -> DynamicCache:
     for index, layer in enumerate(source.layers):
         cache.update(layer.keys.half().to(layer.keys.dtype), layer.values.half().to(layer.values.dtype), index)
     return cache
+
+
+def gsrq_cache(producer, ids: torch.Tensor, codebooks, bits: float) -> tuple[DynamicCache, float]:
+    """The producer's KV coded by GSRQ (its sinks and recent window exact, as GSRQCache keeps them), decoded into a
+    cache the consumer reads; and the bytes per token the codes and exact tokens take."""
+    from ..gsrq import GSRQCache
+
+    config = unwrapped(producer).config
+    coded = GSRQCache(config, codebooks=codebooks, bits=bits, attention="dequantize")
+    with torch.inference_mode():
+        producer(input_ids=ids, cache=coded, use_cache=True, logits_to_keep=1)
+    cache = DynamicCache()
+    for index, layer in enumerate(coded.layers):
+        keys, values = layer.dequantized_keys_and_values()
+        cache.update(keys, values, index)
+    model_shapes = shapes(producer)
+    rates = coded.bits_per_element()
+    regions = coded.layers[0].region_lengths()
+    tokens = ids.shape[1]
+    exact = min(tokens, regions["sinks"] + regions["window"])
+    per_element_bits = ((tokens - exact) * (rates["keys"] + rates["values"]) / 2 + exact * 16) / tokens
+    return cache, per_element_bits * 2 * model_shapes.layers * model_shapes.kv_width / 8
 
 
 def producer_hidden_state(producer, ids: torch.Tensor, layer: int) -> torch.Tensor:
@@ -159,7 +183,7 @@ def continuation_scores(consumer, cache, context: torch.Tensor, continuation: to
 
 
 def method_caches(producer, consumer, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledgeBase | None, ids: torch.Tensor,
-                  settings: SCDBenchSettings) -> dict[str, tuple[Callable[[], object], float]]:
+                  settings: SCDBenchSettings, gsrq_codebooks=None) -> dict[str, tuple[Callable[[], object], float]]:
     """Per method: a function building the consumer's cache of ``ids`` ``[1, T]``, and its bytes per token."""
     model_shapes = shapes(producer)
     raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
@@ -178,6 +202,10 @@ def method_caches(producer, consumer, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledg
         kvtc_payload = truncate_payload(full, fraction)
         methods["kvtc-like"] = (lambda: SCDTransferCache.from_payload(kvtc_payload, producer, kvtc_kb),
                                 len(kvtc_payload) / ids.shape[1])
+    if gsrq_codebooks is not None:
+        for bits in settings.gsrq_bits:
+            coded, size = gsrq_cache(producer, ids, gsrq_codebooks, bits)
+            methods[f"gsrq-{bits:g}"] = (lambda coded=coded: coded, size)
     for layer in settings.droidspeak_layers:
         if 0 < layer < model_shapes.layers:
             hidden = producer_hidden_state(producer, ids, layer)
@@ -207,13 +235,13 @@ def _own_prefill(consumer, ids: torch.Tensor) -> DynamicCache:
 
 
 def quality(producer, consumer, kb, kvtc_kb, windows: list[torch.Tensor], settings: SCDBenchSettings,
-            progress: bool = True) -> dict:
+            progress: bool = True, gsrq_codebooks=None) -> dict:
     nlls: dict[str, list[torch.Tensor]] = {}
     logprobs: dict[str, list[torch.Tensor]] = {}
     bytes_per_token: dict[str, list[float]] = {}
     for window in tqdm(windows, desc="SCD quality", disable=not progress):
         context, continuation = window[:settings.context_tokens], window[settings.context_tokens:]
-        methods = method_caches(producer, consumer, kb, kvtc_kb, context[:-1][None], settings)
+        methods = method_caches(producer, consumer, kb, kvtc_kb, context[:-1][None], settings, gsrq_codebooks)
         for name, (build, size) in methods.items():
             nll, rows = continuation_scores(consumer, build(), context, continuation)
             nlls.setdefault(name, []).append(nll)
@@ -260,11 +288,12 @@ def token_f1(prediction: str, answer: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def passkey(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDBenchSettings, progress=True) -> dict:
+def passkey(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDBenchSettings, progress=True,
+            gsrq_codebooks=None) -> dict:
     scores: dict[str, list[tuple[float, float]]] = {}
     for ids, key in tqdm(passkey_prompts(tokenizer, text_ids, settings.passkey_trials, settings.context_tokens,
                                          settings.seed), desc="SCD pass-key", disable=not progress):
-        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings)
+        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks)
         for name, (build, _) in methods.items():
             output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
                                        cache=build(), max_new_tokens=6, do_sample=False,
@@ -294,7 +323,7 @@ def prefill_flops(model_shapes, parameters: int, tokens: int) -> float:
 
 
 def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, settings: SCDBenchSettings,
-            gpu_prefill_s: float) -> dict:
+            gpu_prefill_s: float, gsrq_codebooks=None) -> dict:
     ids = text_ids[:tokens][None]
     payload = encode(producer, ids, kb)
     source = producer_cache(producer, ids)
@@ -307,7 +336,21 @@ def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, setting
         oracle_cache.crop(-1)  # the next repeat times the same first step
 
     repeats = settings.cost_repeats
-    return {
+    extra = {}
+    if gsrq_codebooks is not None and settings.gsrq_bits:
+        from ..gsrq import GSRQCache
+
+        coded = GSRQCache(unwrapped(producer).config, codebooks=gsrq_codebooks, bits=settings.gsrq_bits[0],
+                          attention="dequantize")
+        extra["gsrq_encode_s"] = _median_seconds(
+            lambda: producer(input_ids=ids, cache=GSRQCache(unwrapped(producer).config, codebooks=gsrq_codebooks,
+                                                            bits=settings.gsrq_bits[0], attention="dequantize"),
+                             use_cache=True, logits_to_keep=1), 1)
+        with torch.inference_mode():
+            producer(input_ids=ids, cache=coded, use_cache=True, logits_to_keep=1)
+        extra["gsrq_rebuild_s"] = _median_seconds(
+            lambda: [layer.dequantized_keys_and_values() for layer in coded.layers], repeats)
+    return {**extra,
         "oracle_prefill_s": _median_seconds(lambda: _own_prefill(consumer, ids), repeats),
         "producer_prefill_s": _median_seconds(lambda: producer_cache(producer, ids), repeats),
         "scd_encode_s": _median_seconds(lambda: encode(producer, ids, kb), repeats),
@@ -319,7 +362,8 @@ def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, setting
     }
 
 
-def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSettings, progress=True) -> dict:
+def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSettings, progress=True,
+         gsrq_codebooks=None) -> dict:
     model_shapes = shapes(consumer)
     parameters = sum(p.numel() for name, p in unwrapped(consumer).named_parameters() if "lora_" not in name)
     rows = {}
@@ -327,7 +371,7 @@ def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSetti
         if text_ids.numel() < tokens + 1:
             continue
         gpu = prefill_flops(model_shapes, parameters, tokens) / (GPU_PEAK_FLOPS * GPU_MFU)
-        rows[tokens] = cost_at(producer, consumer, kb, text_ids, tokens, settings, gpu)
+        rows[tokens] = cost_at(producer, consumer, kb, text_ids, tokens, settings, gpu, gsrq_codebooks)
     return rows
 
 
@@ -337,7 +381,8 @@ def ttft_table(cost_rows: dict, bytes_per_token: dict[str, float], settings: SCD
 
     oracle = its prefill + the first step; a transfer = [producer prefill or SCD encode, when on the critical
     path] + bytes / bandwidth + the consumer's rebuild (SCD: measured; raw and KIVI: the KIVI dequantization,
-    measured; DroidSpeak: its share of the consumer's prefill) + the first step. ``gpu_class`` scales every compute
+    measured; GSRQ: decoding its codes, measured; DroidSpeak: its share of the consumer's prefill) + the first
+    step. ``gpu_class`` scales every compute
     term by the ratio of the modelled GPU-class prefill to the measured CPU one at that length."""
     table: dict[str, dict[str, dict[str, float]]] = {}
     for tokens, row in cost_rows.items():
@@ -357,6 +402,8 @@ def ttft_table(cost_rows: dict, bytes_per_token: dict[str, float], settings: SCD
                         rebuild = compute["oracle_prefill_s"] * (num_layers - layer) / num_layers
                     elif method == "kvtc-like":
                         before, rebuild = compute["scd_encode_s"], compute["scd_rebuild_s"]
+                    elif method.startswith("gsrq-"):
+                        before, rebuild = compute["gsrq_encode_s"], compute["gsrq_rebuild_s"]
                     else:
                         before, rebuild = compute["producer_prefill_s"], compute["kivi_rebuild_s"]
                     seconds = (before if producer_on_path else 0.0) + wire + rebuild + compute["first_step_s"]
@@ -385,7 +432,7 @@ def best_speedup(table: dict, method: str) -> tuple[float, str, str]:
 
 def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledgeBase | None,
                   evaluation_ids: torch.Tensor, evaluation_description: str, settings: SCDBenchSettings,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, gsrq_codebooks=None) -> dict:
     """Quality, pass-key retrieval, cost and the modelled TTFT sweeps, all in one run (see the module docstring)."""
     from ..evaluation import fixed_windows
 
@@ -393,10 +440,10 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
     producer, consumer = producer_loaded.model, consumer_loaded.model
     span = settings.context_tokens + settings.continuation_tokens
     windows = fixed_windows(evaluation_ids, settings.windows, span)
-    quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress)
+    quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress, gsrq_codebooks)
     passkey_results = passkey(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, evaluation_ids, settings,
-                              progress) if settings.passkey_trials else {}
-    cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress)
+                              progress, gsrq_codebooks) if settings.passkey_trials else {}
+    cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress, gsrq_codebooks)
     num_layers = shapes(consumer).layers
     sizes = {name: row["bytes_per_token"] for name, row in quality_results.items()}
     sweeps = {}

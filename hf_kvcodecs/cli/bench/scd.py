@@ -28,6 +28,9 @@ def add_parser(bench) -> None:
     scd.add_argument("--passkey-trials", type=int, default=6, help="pass-key prompts")
     scd.add_argument("--droidspeak-layers", type=int, nargs="*", default=[10, 20],
                      help="transition layers of the DroidSpeak-style baseline")
+    scd.add_argument("--gsrq-bits", type=float, nargs="*", default=[2.0],
+                     help="GSRQ rates of the GSRQ-coded producer KV baseline (codebooks from the store, calibrated "
+                          "for the producer if missing); none to leave it out")
     scd.add_argument("--out", type=Path, default=Path("benchmarks/results/scd"), help="folder for scd.json/.md/.png")
     scd.set_defaults(func=command)
 
@@ -47,9 +50,14 @@ def command(args) -> int:
     kvtc_kb.save(args.out / "kvtc_like_knowledge_base")
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
                                 cost_contexts=tuple(args.cost_contexts), passkey_trials=args.passkey_trials,
-                                droidspeak_layers=tuple(args.droidspeak_layers))
+                                droidspeak_layers=tuple(args.droidspeak_layers), gsrq_bits=tuple(args.gsrq_bits))
+    codebooks = None
+    if args.gsrq_bits:
+        from ...gsrq.store import ensure_codebooks
+
+        codebooks, _, _ = ensure_codebooks(producer)
     results = run_scd_bench(producer, consumer, kb, kvtc_kb, tokenize_corpus(producer.tokenizer, evaluation),
-                            evaluation.description, settings)
+                            evaluation.description, settings, gsrq_codebooks=codebooks)
     write_results(args.out, "scd", results, scd_markdown(results))
     scd_plot(results, args.out / "scd.png")
     return 0
