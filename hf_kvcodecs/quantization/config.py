@@ -45,10 +45,13 @@ class KVCodecsConfig(QuantizationConfigMixin):
         scale_dtype (`str`, defaults to `"float16"`):
             Storage dtype of packed scales and offsets: ``"float16"``, ``"bfloat16"`` or ``"float32"``.
         kv_cache_implementation (`str`, *optional*):
-            ``"gsrq"`` makes ``generate()`` use :class:`~hf_kvcodecs.GSRQCache` by default.
+            ``"gsrq"`` makes ``generate()`` use :class:`~hf_kvcodecs.GSRQCache` by default; ``"scd"`` makes it
+            rebuild the cache from the SCD payload given per call (``cache_config={"payload": ...}``).
         kv_cache_config (`dict`, *optional*):
-            Options of that cache (``bits``, ``window_length``, ...), and ``codebooks``: a directory written by
-            ``hf-kvcodecs calibrate``. In a saved checkpoint it is ``"kv_codebooks"``, relative to the checkpoint.
+            For ``"gsrq"``: options of that cache (``bits``, ``window_length``, ...), and ``codebooks``: a directory
+            written by ``hf-kvcodecs calibrate``. In a saved checkpoint it is ``"kv_codebooks"``, relative to the
+            checkpoint. For ``"scd"``: ``knowledge_base``, a directory written by ``hf-kvcodecs scd fit`` for this
+            model as the consumer (``"scd_knowledge_base"`` in a saved checkpoint).
         format_version (`int`):
             Checkpoint format version; set by hf_kvcodecs, not by users.
     """
@@ -130,8 +133,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
         if not isinstance(location, (str, os.PathLike)):
             raise ValueError(
                 f"kv_cache_implementation={kind.cache_implementation!r} needs kv_cache_config="
-                f"{{{kind.location_key!r}: DIR}}, where DIR was written by "
-                "`hf-kvcodecs calibrate --model <model> --out DIR` (a path, so that the config can be saved as JSON)."
+                f"{{{kind.location_key!r}: DIR}}, where DIR was written by {kind.made_with} (a path, so that the "
+                "config can be saved as JSON)."
             )
         self.kv_cache_config = {**options, kind.location_key: os.fspath(location)}
 

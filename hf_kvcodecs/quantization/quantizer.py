@@ -1,16 +1,18 @@
-"""The transformers ``HfQuantizer`` of hf_kvcodecs, and the KV codebooks that travel with a quantized model.
+"""The transformers ``HfQuantizer`` of hf_kvcodecs, and the KV artifacts (GSRQ codebooks, an SCD knowledge base)
+that travel with a quantized model.
 
 Loading (``from_pretrained``) runs, in transformers 5.24:
 ``_process_model_before_weight_loading`` (swap ``nn.Linear`` for empty quantized modules on the meta device) →
 weights load (a float checkpoint goes through :class:`QuantizeOnLoad`; a quantized one loads its packed tensors
 directly) → ``generation_config.json`` is read → ``_process_model_after_weight_loading`` (find and check the KV
-codebooks, make GSRQ the default cache of ``generate()``).
+artifact, make its cache (GSRQ, SCD) the default cache of ``generate()``).
 
 Saving: transformers' ``save_pretrained`` only writes config, generation config and weights, so a model with a KV
-artifact (``kv_artifacts``: GSRQ's codebooks) gets an instance-level ``save_pretrained``
-(``integrations.loading.install_save_extension``) that also writes it to its folder (``kv_codebooks/``: safetensors
-+ JSON) and stores that relative location in ``config.json`` and ``generation_config.json``. ``push_to_hub`` and
-``Trainer`` checkpoints call ``save_pretrained``, so the artifact travels with every copy of the model.
+artifact (``kv_artifacts``: GSRQ's codebooks, SCD's knowledge base) gets an instance-level ``save_pretrained``
+(``integrations.loading.install_save_extension``) that also writes it to its folder (``kv_codebooks/``,
+``scd_knowledge_base/``: safetensors + JSON) and stores that relative location in ``config.json`` and
+``generation_config.json``. ``push_to_hub`` and ``Trainer`` checkpoints call ``save_pretrained``, so the artifact
+travels with every copy of the model.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class QuantizeOnLoad(ConversionOps):
 
 class KVCodecsHfQuantizer(HfQuantizer):
     """Quantizer behind ``quant_method="hf_kvcodecs"``: packed or fake-quant weights, plus a default KV cache whose
-    fitted artifact (GSRQ codebooks) travels with the checkpoint."""
+    fitted artifact (GSRQ codebooks, SCD knowledge base) travels with the checkpoint."""
 
     requires_calibration = False
 
@@ -90,7 +92,8 @@ class KVCodecsHfQuantizer(HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
         self.checkpoint_files: list[str] = []
-        self.kv_artifact = None  # the loaded artifact of the config's kv_cache_implementation (GSRQCodebooks)
+        # the loaded artifact of the config's kv_cache_implementation (GSRQCodebooks, SCDKnowledgeBase)
+        self.kv_artifact = None
         self.kv_artifact_dir: Path | None = None  # local, absolute; what generation_config.cache_config points to
 
     # ---- capabilities -------------------------------------------------------------------------------------------
@@ -171,8 +174,8 @@ class KVCodecsHfQuantizer(HfQuantizer):
                                          checkpoint_files=self.checkpoint_files)
         artifact = kind.load(directory)
         options = {key: value for key, value in config.kv_cache_config.items() if key != kind.location_key}
-        try:  # building one cache checks the artifact against the model and every option, at load time
-            kind.build_cache(model.config.get_text_config(decoder=True), artifact, **options)
+        try:  # at load time, not at the first generate()
+            kind.check(model, artifact, **options)
         except ValueError as error:
             raise ValueError(
                 f"The KV cache settings of this hf_kvcodecs model do not work with it ({kind.description}: "
@@ -264,7 +267,7 @@ def resolve_artifact_dir(kind: KVArtifact, location: str, *, pre_quantized: bool
     raise kind.file_error(
         f"The {kind.description} of this hf_kvcodecs model ({location!r}) are missing: no {kind.files[0]} in {where}. "
         f"A saved model keeps them in its {kind.folder}/ folder: copy or upload the whole folder written by "
-        "save_pretrained, or pass an existing codebook directory (`hf-kvcodecs calibrate --out DIR`)."
+        f"save_pretrained, or pass a directory written by {kind.made_with}."
     )
 
 
@@ -349,8 +352,13 @@ class _KVArtifactSaving:
 
     def write(self, model, save_directory: Path) -> None:
         quantizer = getattr(model, "hf_quantizer", None)
-        if getattr(quantizer, "kv_artifact", None) is not None:
-            quantizer.kv_artifact.save(save_directory / quantizer.kv_artifact_kind.folder)
+        if getattr(quantizer, "kv_artifact", None) is None:
+            return
+        kind = quantizer.kv_artifact_kind
+        if kind.write is None:
+            quantizer.kv_artifact.save(save_directory / kind.folder)
+        else:
+            kind.write(quantizer.kv_artifact, quantizer.kv_artifact_dir, save_directory / kind.folder)
 
 
 # ---- in-memory API ---------------------------------------------------------------------------------------------

@@ -35,6 +35,27 @@ from .payload import PayloadError, unpack_payload
 logger = logging.getLogger(__name__)
 
 
+_LOADED: dict[tuple[str, int, int], SCDKnowledgeBase] = {}
+
+
+def load_knowledge_base(directory: str | Path) -> SCDKnowledgeBase:
+    """:meth:`SCDKnowledgeBase.load`, memoized on the resolved path and the description's modification time and
+    size: a checkpoint whose default cache names a directory would otherwise read it at every ``generate()``."""
+    from .knowledge_base import METADATA_FILE
+
+    path = Path(directory).resolve()
+    try:
+        stat = (path / METADATA_FILE).stat()
+    except OSError:
+        return SCDKnowledgeBase.load(path)  # raises the clear missing-file error
+    key = (str(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _LOADED:
+        if len(_LOADED) > 16:
+            _LOADED.clear()
+        _LOADED[key] = SCDKnowledgeBase.load(path)
+    return _LOADED[key]
+
+
 def check_consumer(consumer, kb: SCDKnowledgeBase) -> None:
     identity = model_identity(consumer)
     expected = kb.consumer
@@ -192,7 +213,7 @@ class SCDTransferCache(DynamicCache):
         """
         started = time.perf_counter()
         if not isinstance(kb, SCDKnowledgeBase):
-            kb = SCDKnowledgeBase.load(kb)
+            kb = load_knowledge_base(kb)
         check_consumer(consumer, kb)
         manifest, sections = unpack_payload(payload, max_bytes=max_payload_bytes)
         plan = _check_manifest(manifest, sections, kb)
