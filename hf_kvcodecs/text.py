@@ -12,10 +12,26 @@ from pathlib import Path
 
 CALIBRATION_DEFAULT = "python-docs"
 EVALUATION_DEFAULT = "debian-licenses"
+# Python source code: a domain unlike both defaults (reference prose, licence prose), for fine-tuning a model into a
+# variant that still shares the base's tokenizer and shapes.
+PYTHON_SOURCE = "python-stdlib-source"
 
 # Debian's licence texts: long, real English prose, present on every Debian/Ubuntu system.
 _DEBIAN_LICENSE_DIR = Path("/usr/share/common-licenses")
 _DEBIAN_LICENSES = ("GPL-3", "GFDL-1.3", "MPL-2.0", "LGPL-2.1", "Apache-2.0", "GPL-2", "CC0-1.0", "Artistic")
+
+
+# Well-known pure-Python standard-library modules, sorted; read from the running interpreter, so the text is the code
+# of the Python the description names. A module missing from a trimmed install is skipped.
+_STDLIB_MODULES = (
+    "argparse.py", "ast.py", "base64.py", "calendar.py", "collections/__init__.py", "configparser.py", "contextlib.py",
+    "csv.py", "dataclasses.py", "datetime.py", "difflib.py", "enum.py", "fractions.py", "functools.py", "gettext.py",
+    "heapq.py", "inspect.py", "ipaddress.py", "json/decoder.py", "json/encoder.py", "logging/__init__.py",
+    "optparse.py", "os.py", "pathlib.py", "pickle.py", "pprint.py", "random.py", "shlex.py", "shutil.py",
+    "statistics.py", "string.py", "subprocess.py", "tempfile.py", "textwrap.py", "threading.py", "tokenize.py",
+    "typing.py", "uuid.py", "weakref.py", "zipfile.py",
+)
+_STDLIB_MODULES_REQUIRED = 10
 
 
 @dataclass(frozen=True)
@@ -49,13 +65,30 @@ def _debian_licenses() -> Corpus:
     return Corpus(text, f"Debian licence texts from {_DEBIAN_LICENSE_DIR}: {', '.join(present)}")
 
 
+def _python_stdlib_source() -> Corpus:
+    import sysconfig
+
+    directory = Path(sysconfig.get_paths()["stdlib"])
+    present = [name for name in _STDLIB_MODULES if (directory / name).is_file()]
+    if len(present) < _STDLIB_MODULES_REQUIRED:
+        raise FileNotFoundError(
+            f"The corpus {PYTHON_SOURCE} reads standard-library sources from {directory}, but only {len(present)} of "
+            f"its {len(_STDLIB_MODULES)} modules are there (at least {_STDLIB_MODULES_REQUIRED} are needed); this "
+            "Python was installed without its .py sources. Pass your own text with --text FILE (or a file list in Python)."
+        )
+    text = "\n\n".join((directory / name).read_text(encoding="utf-8", errors="replace") for name in present)
+    return Corpus(text, f"CPython {_python_version()} standard-library source from {directory}: {len(present)} modules "
+                        f"({', '.join(present)})")
+
+
 def _python_version() -> str:
     import platform
 
     return platform.python_version()
 
 
-BUILTIN_CORPORA = {CALIBRATION_DEFAULT: _python_docs, EVALUATION_DEFAULT: _debian_licenses}
+BUILTIN_CORPORA = {CALIBRATION_DEFAULT: _python_docs, EVALUATION_DEFAULT: _debian_licenses,
+                   PYTHON_SOURCE: _python_stdlib_source}
 
 
 def load_corpus(source: str | Sequence[str] | None, *, default: str) -> Corpus:

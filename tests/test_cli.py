@@ -20,12 +20,16 @@ from hf_kvcodecs.cli import defaults
 from hf_kvcodecs.cli._common import HelpFormatter
 
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
-            ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode")}
+            ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
+            ("scd", "make-consumer"), ("scd", "fit")}
+# the SCD commands name two models (--producer, --consumer) instead of one --model
+PAIR_COMMANDS = {("bench", "scd"), ("scd", "fit")}
 # Imported by commands when they run, never by `import hf_kvcodecs` (the package's own imports, which register it with
 # transformers, already load torch, transformers and the GSRQ cache and calibration).
 HEAVY_MODULES = ["matplotlib", "hf_kvcodecs.bench.harness", "hf_kvcodecs.bench.kv", "hf_kvcodecs.bench.decode",
                  "hf_kvcodecs.bench.bit_split", "hf_kvcodecs.bench.weights", "hf_kvcodecs.bench.codec_ablation",
-                 "hf_kvcodecs.quantization.compress", "hf_kvcodecs.gsrq.store", "hf_kvcodecs.evaluation.paired"]
+                 "hf_kvcodecs.quantization.compress", "hf_kvcodecs.gsrq.store", "hf_kvcodecs.evaluation.paired",
+                 "hf_kvcodecs.bench.scd", "hf_kvcodecs.scd.consumer"]
 
 
 def _parsers(parser, path=()):
@@ -131,8 +135,10 @@ def test_the_parser_defaults_are_the_library_defaults():
     from hf_kvcodecs.gsrq import codebooks, store
     from hf_kvcodecs.quantization.compress import CompressSettings
 
-    for path in COMMANDS - {("push-codebooks",)}:
+    for path in COMMANDS - {("push-codebooks",)} - PAIR_COMMANDS:
         assert _default(path, "model") == defaults.DEFAULT_MODEL_NAME
+    for path in PAIR_COMMANDS:
+        assert _default(path, "producer") == defaults.DEFAULT_MODEL_NAME
     fit = store.calibration_defaults()
     calibrate = {"bits": "bits", "learner": "learner", "transform": "transform", "metric": "metric",
                  "key_space": "key_space", "key_layout": "key_layout", "value_layout": "value_layout",
@@ -255,3 +261,17 @@ def test_calibrate_checks_its_output_directory_before_loading(monkeypatch, tmp_p
     (tmp_path / "file").write_text("keep me")
     assert cli.run(["calibrate", "--out", str(tmp_path / "file")]) == 2
     assert "is a file; codebooks are saved as a directory" in capsys.readouterr().err
+
+
+def test_the_scd_fit_parser_defaults_are_the_library_defaults():
+    import dataclasses
+
+    from hf_kvcodecs.cli import scd as scd_cli
+    from hf_kvcodecs.scd import fit
+
+    library = dataclasses.asdict(fit.SCDFitSettings())
+    assert scd_cli.SCD_FIT == {name: library[name] for name in scd_cli.SCD_FIT}
+    assert scd_cli.SCD_ENCODERS == fit.ENCODERS
+    for dest in ("budget_kl", "windows", "holdout_prompts", "encoder", "max_patch_layers", "exact_tokens"):
+        assert _default(("scd", "fit"), dest) == library[dest]
+    assert tuple(_default(("scd", "fit"), "code_bits")) == library["code_bits"]

@@ -1,5 +1,5 @@
 """Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | bench kv | bench memory | bench codec |
-bench weights | bench split | bench decode`."""
+bench weights | bench split | bench decode | scd make-consumer | scd fit`."""
 
 # Building the parser imports no torch-based module: each command imports what it needs when it runs, and the values
 # the parser shows come from .defaults (checked against the library by tests/test_cli.py).
@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from . import _common, bench, calibrate, compress, demo, push
+from . import _common, bench, calibrate, compress, demo, push, scd
 from ._common import HelpFormatter
 
 # The model load every command goes through, looked up here at each call (see _common.load_model).
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at INFO level, and show the traceback of bad input instead of a one-line error")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, calibrate, push, compress, bench):
+    for module in (demo, calibrate, push, compress, bench, scd):
         module.add_parser(commands)
     return parser
 

@@ -1,0 +1,93 @@
+"""`hf-kvcodecs scd make-consumer | fit`: build a fine-tuned consumer of a model, and fit the SCD knowledge base that
+sends a producer's prefill to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from . import scd_consumer
+from ._common import HelpFormatter, add_command, load_model, positive_int
+from .defaults import CALIBRATION_TEXT
+
+# Mirrors of scd.fit.SCDFitSettings' defaults (the parser imports no torch-based module); tests/test_scd_cli.py
+# checks them against the library.
+SCD_FIT = {"windows": 24, "window_tokens": 512, "holdout_prompts": 4, "holdout_context": 448,
+           "holdout_continuation": 64, "exact_tokens": 4, "budget_kl": 0.05, "encoder": "pca", "code_bits": (8, 4),
+           "max_patch_layers": 4}
+SCD_ENCODERS = ("pca", "reduced_rank")  # scd.fit.ENCODERS
+
+
+def add_parser(commands) -> None:
+    scd = commands.add_parser("scd", help="Semantic Cache Distillation: a producer's prefill sent to a consumer as codes",
+                              description="Semantic Cache Distillation", formatter_class=HelpFormatter)
+    scd_commands = scd.add_subparsers(dest="scd", required=True)
+    scd_consumer.add_parser(scd_commands)
+    fit = add_command(scd_commands, "fit", "fit the SCD knowledge base of a (producer, consumer) pair under a KL budget")
+    fit.add_argument("--producer", default="default",
+                     help="the model that prefills: 'default', a Hub id, a local path, or a LoRA adapter directory")
+    fit.add_argument("--consumer", required=True,
+                     help="the model that decodes (a directory made by `scd make-consumer`, any model of the "
+                          "producer's architecture, or the producer itself for the trivial pair)")
+    fit.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    fit.add_argument("--text", nargs="+", default=None,
+                     help="calibration text: files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT "
+                          f"(default: {CALIBRATION_TEXT}); its last part is held out for the budget")
+    fit.add_argument("--out", required=True, type=Path, help="directory the knowledge base and its report are saved in")
+    fit.add_argument("--overwrite", action="store_true", help="replace a knowledge base already saved in --out")
+    fit.add_argument("--budget-kl", type=float, default=SCD_FIT["budget_kl"],
+                     help="quality budget: mean KL divergence (nats per token) from the consumer's own prefill to "
+                          "decoding through the rebuilt cache, on held-out calibration prompts")
+    fit.add_argument("--windows", type=positive_int, default=SCD_FIT["windows"],
+                     help=f"calibration windows of {SCD_FIT['window_tokens']} tokens the statistics are streamed over")
+    fit.add_argument("--holdout-prompts", type=positive_int, default=SCD_FIT["holdout_prompts"],
+                     help=f"held-out prompts ({SCD_FIT['holdout_context']} context + "
+                          f"{SCD_FIT['holdout_continuation']} continuation tokens) the budget is measured on")
+    fit.add_argument("--encoder", default=SCD_FIT["encoder"], choices=SCD_ENCODERS,
+                     help="'pca': consumer-agnostic codes of the producer's states (progressive: any prefix decodes); "
+                          "'reduced_rank': codes fitted to predict this consumer (fewer components for the same error)")
+    fit.add_argument("--code-bits", type=int, nargs="+", default=list(SCD_FIT["code_bits"]), choices=[4, 8, 16],
+                     help="code precisions tried; the plan with the fewest bytes within the budget wins")
+    fit.add_argument("--max-patch-layers", type=int, default=SCD_FIT["max_patch_layers"],
+                     help="most transition layers whose normalized input is sent instead of their KV")
+    fit.add_argument("--exact-tokens", type=int, default=SCD_FIT["exact_tokens"],
+                     help="first tokens of each prompt (attention sinks) the consumer computes itself")
+    fit.set_defaults(func=run_fit)
+
+
+def _load(name: str, threads):
+    return load_model(argparse.Namespace(model=name, threads=threads))
+
+
+def run_fit(args) -> int:
+    from ..scd import SCDFitSettings, fit_knowledge_base
+    from ..scd.knowledge_base import METADATA_FILE
+    from ..text import load_corpus, tokenize_corpus
+
+    if (args.out / METADATA_FILE).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.out} already holds an SCD knowledge base; pass --overwrite to replace it.")
+    corpus = load_corpus(args.text, default=CALIBRATION_TEXT)
+    producer = _load(args.producer, args.threads)
+    consumer = producer if args.consumer == args.producer else _load(args.consumer, args.threads)
+    settings = SCDFitSettings(windows=args.windows, holdout_prompts=args.holdout_prompts, budget_kl=args.budget_kl,
+                              encoder=args.encoder, code_bits=tuple(args.code_bits),
+                              max_patch_layers=args.max_patch_layers, exact_tokens=args.exact_tokens)
+    ids = tokenize_corpus(producer.tokenizer, corpus)
+    kb = fit_knowledge_base(producer.model, consumer.model, ids, settings=settings, text_info=corpus,
+                            tokenizer=producer.tokenizer, producer_name=producer.description,
+                            consumer_name=consumer.description)
+    kb.save(args.out, overwrite=args.overwrite)
+    fitting = kb.fitting
+    summary = {
+        "out": str(args.out), "producer": producer.description, "consumer": consumer.description,
+        "calibration_text": corpus.description, "budget_kl": fitting["budget_kl"], "budget_met": fitting["budget_met"],
+        "kl": round(fitting["kl"], 5), "code_bits": kb.code_bits, "patch_layers": kb.patch_layers,
+        "bytes_per_coded_token": fitting["bytes_per_coded_token"],
+        "raw_16bit_bytes_per_token": fitting["raw_16bit_bytes_per_token"],
+        "compression_vs_16bit": round(fitting["compression_vs_16bit"], 2),
+        "reuse_only_full_rank_kl": round(fitting["search"]["reuse_only_full_rank_kl"], 5),
+        "seconds": round(fitting["seconds"], 1),
+    }
+    print(json.dumps(summary, indent=2))
+    return 0
