@@ -334,3 +334,14 @@ def test_budgeted_fit_on_a_lora_pair_meets_its_budget_and_serves_the_merged_cons
     torch.testing.assert_close(from_adapter.layers[2].keys, from_merged.layers[2].keys, atol=1e-5, rtol=1e-4)
     with pytest.raises(PairMismatchError, match="adapter"):
         SCDTransferCache.from_payload(payload, base, kb)
+
+
+def test_forced_patch_layers_are_used_and_unknown_ones_refused(tiny_scd_model, stream):
+    settings = SCDFitSettings(windows=4, window_tokens=128, holdout_prompts=1, holdout_context=64,
+                              holdout_continuation=16, budget_kl=0.5, patch_layers=(1,), bisection_steps=2,
+                              code_bits=(8,))
+    kb = fit_knowledge_base(tiny_scd_model, tiny_scd_model, stream, settings=settings, progress=False)
+    assert kb.patch_layers == [1] and kb.fitting["search"]["forced_patch_layers"] == [1]
+    settings.patch_layers = (7,)
+    with pytest.raises(ValueError, match="do not exist"):
+        fit_knowledge_base(tiny_scd_model, tiny_scd_model, stream, settings=settings, progress=False)

@@ -54,10 +54,14 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
                                 cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
                             SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
-                            stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks)
+                            stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks,
+                            extra_kbs={"scd-16bit": full_rank_knowledge_base(producer, consumer, stream, window_tokens=128,
+                                                                             windows=6, code_bits=16)})
     quality = results["quality"]
     assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2",
-                            f"gsrq-{TINY_BITS:g}"}
+                            f"gsrq-{TINY_BITS:g}", "scd-16bit"}
+    assert quality["scd-16bit"]["bytes_per_token"] > quality["scd"]["bytes_per_token"]
+    assert "scd-16bit_rebuild_s" in results["cost"]["128"]
     assert 0 < quality[f"gsrq-{TINY_BITS:g}"]["bytes_per_token"] < results["raw_16bit_bytes_per_token"]
     assert quality["oracle"]["kl_mean"] == 0.0 and quality["oracle"]["delta_ppl_pct"] == 0.0
     assert quality["raw-16"]["kl_mean"] > 0  # the adapter changed k/v projections: producer KV do not fit

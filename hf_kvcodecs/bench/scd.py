@@ -183,7 +183,8 @@ def continuation_scores(consumer, cache, context: torch.Tensor, continuation: to
 
 
 def method_caches(producer, consumer, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledgeBase | None, ids: torch.Tensor,
-                  settings: SCDBenchSettings, gsrq_codebooks=None) -> dict[str, tuple[Callable[[], object], float]]:
+                  settings: SCDBenchSettings, gsrq_codebooks=None, extra_kbs: dict | None = None,
+                  ) -> dict[str, tuple[Callable[[], object], float]]:
     """Per method: a function building the consumer's cache of ``ids`` ``[1, T]``, and its bytes per token."""
     model_shapes = shapes(producer)
     raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
@@ -196,6 +197,10 @@ def method_caches(producer, consumer, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledg
         "kivi-4": (lambda: kivi_cache(source, 4, settings.kivi_group), kivi_bytes_per_token(model_shapes, 4, settings.kivi_group)),
         "scd": (lambda: SCDTransferCache.from_payload(payload, consumer, kb), len(payload) / ids.shape[1]),
     }
+    for name, other in (extra_kbs or {}).items():  # more SCD operating points (other budgets, forced Patch layers)
+        other_payload = encode(producer, ids, other)
+        methods[name] = (lambda other=other, other_payload=other_payload:
+                         SCDTransferCache.from_payload(other_payload, consumer, other), len(other_payload) / ids.shape[1])
     if kvtc_kb is not None:
         full = encode(producer, ids, kvtc_kb)
         fraction = equal_bytes_fraction(full, len(payload))
@@ -235,13 +240,14 @@ def _own_prefill(consumer, ids: torch.Tensor) -> DynamicCache:
 
 
 def quality(producer, consumer, kb, kvtc_kb, windows: list[torch.Tensor], settings: SCDBenchSettings,
-            progress: bool = True, gsrq_codebooks=None) -> dict:
+            progress: bool = True, gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
     nlls: dict[str, list[torch.Tensor]] = {}
     logprobs: dict[str, list[torch.Tensor]] = {}
     bytes_per_token: dict[str, list[float]] = {}
     for window in tqdm(windows, desc="SCD quality", disable=not progress):
         context, continuation = window[:settings.context_tokens], window[settings.context_tokens:]
-        methods = method_caches(producer, consumer, kb, kvtc_kb, context[:-1][None], settings, gsrq_codebooks)
+        methods = method_caches(producer, consumer, kb, kvtc_kb, context[:-1][None], settings, gsrq_codebooks,
+                                extra_kbs)
         for name, (build, size) in methods.items():
             nll, rows = continuation_scores(consumer, build(), context, continuation)
             nlls.setdefault(name, []).append(nll)
@@ -289,11 +295,11 @@ def token_f1(prediction: str, answer: str) -> float:
 
 
 def passkey(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDBenchSettings, progress=True,
-            gsrq_codebooks=None) -> dict:
+            gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
     scores: dict[str, list[tuple[float, float]]] = {}
     for ids, key in tqdm(passkey_prompts(tokenizer, text_ids, settings.passkey_trials, settings.context_tokens,
                                          settings.seed), desc="SCD pass-key", disable=not progress):
-        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks)
+        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks, extra_kbs)
         for name, (build, _) in methods.items():
             output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
                                        cache=build(), max_new_tokens=6, do_sample=False,
@@ -323,7 +329,7 @@ def prefill_flops(model_shapes, parameters: int, tokens: int) -> float:
 
 
 def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, settings: SCDBenchSettings,
-            gpu_prefill_s: float, gsrq_codebooks=None) -> dict:
+            gpu_prefill_s: float, gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
     ids = text_ids[:tokens][None]
     payload = encode(producer, ids, kb)
     source = producer_cache(producer, ids)
@@ -350,6 +356,12 @@ def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, setting
             producer(input_ids=ids, cache=coded, use_cache=True, logits_to_keep=1)
         extra["gsrq_rebuild_s"] = _median_seconds(
             lambda: [layer.dequantized_keys_and_values() for layer in coded.layers], repeats)
+    for name, other in (extra_kbs or {}).items():
+        other_payload = encode(producer, ids, other)
+        extra[f"{name}_encode_s"] = _median_seconds(lambda other=other: encode(producer, ids, other), repeats)
+        extra[f"{name}_rebuild_s"] = _median_seconds(
+            lambda other=other, other_payload=other_payload: SCDTransferCache.from_payload(other_payload, consumer, other),
+            repeats)
     return {**extra,
         "oracle_prefill_s": _median_seconds(lambda: _own_prefill(consumer, ids), repeats),
         "producer_prefill_s": _median_seconds(lambda: producer_cache(producer, ids), repeats),
@@ -363,7 +375,7 @@ def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, setting
 
 
 def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSettings, progress=True,
-         gsrq_codebooks=None) -> dict:
+         gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
     model_shapes = shapes(consumer)
     parameters = sum(p.numel() for name, p in unwrapped(consumer).named_parameters() if "lora_" not in name)
     rows = {}
@@ -371,7 +383,7 @@ def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSetti
         if text_ids.numel() < tokens + 1:
             continue
         gpu = prefill_flops(model_shapes, parameters, tokens) / (GPU_PEAK_FLOPS * GPU_MFU)
-        rows[tokens] = cost_at(producer, consumer, kb, text_ids, tokens, settings, gpu, gsrq_codebooks)
+        rows[tokens] = cost_at(producer, consumer, kb, text_ids, tokens, settings, gpu, gsrq_codebooks, extra_kbs)
     return rows
 
 
@@ -402,6 +414,8 @@ def ttft_table(cost_rows: dict, bytes_per_token: dict[str, float], settings: SCD
                         rebuild = compute["oracle_prefill_s"] * (num_layers - layer) / num_layers
                     elif method == "kvtc-like":
                         before, rebuild = compute["scd_encode_s"], compute["scd_rebuild_s"]
+                    elif f"{method}_rebuild_s" in compute:
+                        before, rebuild = compute[f"{method}_encode_s"], compute[f"{method}_rebuild_s"]
                     elif method.startswith("gsrq-"):
                         before, rebuild = compute["gsrq_encode_s"], compute["gsrq_rebuild_s"]
                     else:
@@ -432,7 +446,7 @@ def best_speedup(table: dict, method: str) -> tuple[float, str, str]:
 
 def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_kb: SCDKnowledgeBase | None,
                   evaluation_ids: torch.Tensor, evaluation_description: str, settings: SCDBenchSettings,
-                  progress: bool = True, gsrq_codebooks=None) -> dict:
+                  progress: bool = True, gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
     """Quality, pass-key retrieval, cost and the modelled TTFT sweeps, all in one run (see the module docstring)."""
     from ..evaluation import fixed_windows
 
@@ -440,10 +454,10 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
     producer, consumer = producer_loaded.model, consumer_loaded.model
     span = settings.context_tokens + settings.continuation_tokens
     windows = fixed_windows(evaluation_ids, settings.windows, span)
-    quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress, gsrq_codebooks)
+    quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress, gsrq_codebooks, extra_kbs)
     passkey_results = passkey(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, evaluation_ids, settings,
-                              progress, gsrq_codebooks) if settings.passkey_trials else {}
-    cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress, gsrq_codebooks)
+                              progress, gsrq_codebooks, extra_kbs) if settings.passkey_trials else {}
+    cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress, gsrq_codebooks, extra_kbs)
     num_layers = shapes(consumer).layers
     sizes = {name: row["bytes_per_token"] for name, row in quality_results.items()}
     sweeps = {}
@@ -457,6 +471,10 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
         "knowledge_base": {"save_id": kb.save_id, "plan_patch_layers": kb.patch_layers, "code_bits": kb.code_bits,
                            "bytes_per_coded_token": kb.bytes_per_token(), "fit_kl": kb.fitting.get("kl"),
                            "fit_budget_kl": kb.fitting.get("budget_kl"), "calibration_text": kb.fitting.get("text")},
+        "other_knowledge_bases": {name: {"save_id": other.save_id, "plan_patch_layers": other.patch_layers,
+                                         "code_bits": other.code_bits, "fit_kl": other.fitting.get("kl"),
+                                         "fit_budget_kl": other.fitting.get("budget_kl")}
+                                  for name, other in (extra_kbs or {}).items()},
         "evaluation_text": evaluation_description, "settings": settings_dict(settings),
         "raw_16bit_bytes_per_token": 2 * num_layers * shapes(consumer).kv_width * 2,
         "quality": quality_results, "passkey": passkey_results, "cost": {str(k): v for k, v in cost_rows.items()},

@@ -51,6 +51,9 @@ def add_parser(commands) -> None:
                      help="code precisions tried; the plan with the fewest bytes within the budget wins")
     fit.add_argument("--max-patch-layers", type=int, default=SCD_FIT["max_patch_layers"],
                      help="most transition layers whose normalized input is sent instead of their KV")
+    fit.add_argument("--patch-layers", type=int, nargs="+", default=None,
+                     help="use these transition layers instead of choosing them (an ablation; default: chosen "
+                          "greedily under the budget)")
     fit.add_argument("--exact-tokens", type=int, default=SCD_FIT["exact_tokens"],
                      help="first tokens of each prompt (attention sinks) the consumer computes itself")
     fit.set_defaults(func=run_fit)
@@ -72,7 +75,8 @@ def run_fit(args) -> int:
     consumer = producer if args.consumer == args.producer else _load(args.consumer, args.threads)
     settings = SCDFitSettings(windows=args.windows, holdout_prompts=args.holdout_prompts, budget_kl=args.budget_kl,
                               encoder=args.encoder, code_bits=tuple(args.code_bits),
-                              max_patch_layers=args.max_patch_layers, exact_tokens=args.exact_tokens)
+                              max_patch_layers=args.max_patch_layers, exact_tokens=args.exact_tokens,
+                              patch_layers=None if args.patch_layers is None else tuple(args.patch_layers))
     ids = tokenize_corpus(producer.tokenizer, corpus)
     kb = fit_knowledge_base(producer.model, consumer.model, ids, settings=settings, text_info=corpus,
                             tokenizer=producer.tokenizer, producer_name=producer.description,

@@ -59,6 +59,7 @@ class SCDFitSettings:
     encoder: str = "pca"  # "pca": consumer-agnostic progressive codes; "reduced_rank": consumer-specific codes
     code_bits: tuple[int, ...] = (8, 4)  # precisions tried; the cheapest plan within the budget wins
     max_patch_layers: int = 4
+    patch_layers: tuple[int, ...] | None = None  # given: these transition layers, no greedy search (for ablations)
     patch_candidates: int = 8  # layers measured as Patch candidates in each greedy round
     patch_gain: float = 0.05  # a Patch layer must lower the KL by this fraction to be kept
     ridge: float = 1e-4
@@ -235,6 +236,10 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         raise ValueError(f"The calibration text has {calibration_ids.numel()} tokens; fitting needs at least {needed} "
                          f"({settings.holdout_prompts} held-out prompts of {prompt_tokens} and one window of "
                          f"{settings.window_tokens}). Pass more text or lower the settings.")
+    layers = shapes(producer).layers
+    unknown = [layer for layer in (settings.patch_layers or ()) if not 0 <= layer < layers]
+    if unknown:  # before minutes of statistics
+        raise ValueError(f"Patch layers {unknown} do not exist: the models have layers 0..{layers - 1}.")
     statistics_ids, holdout_ids = calibration_ids[:-holdout_tokens], calibration_ids[-holdout_tokens:]
     count = min(settings.windows, statistics_ids.numel() // settings.window_tokens)
     stride = statistics_ids.numel() // count
@@ -273,9 +278,14 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     patch_layers: set[int] = set()
     current = judge.kl(plan_for(0.0, patch_layers, curves), best_bits)
     search["reuse_only_full_rank_kl"] = current
+    if settings.patch_layers is not None:
+        patch_layers = set(settings.patch_layers)
+        search["forced_patch_layers"] = sorted(patch_layers)
+        search["forced_patch_full_rank_kl"] = judge.kl(plan_for(0.0, patch_layers, curves), best_bits)
     floors = [float(curves["keys"][i][-1] + curves["values"][i][-1]) for i in range(num_layers)]
-    with tqdm(total=settings.max_patch_layers, desc="SCD patch layers", disable=not progress) as bar:
-        for _ in range(settings.max_patch_layers):
+    rounds = 0 if settings.patch_layers is not None else settings.max_patch_layers
+    with tqdm(total=rounds, desc="SCD patch layers", disable=not progress) as bar:
+        for _ in range(rounds):
             candidates = sorted((i for i in range(num_layers) if i not in patch_layers), key=lambda i: -floors[i])
             trials = {i: judge.kl(plan_for(0.0, patch_layers | {i}, curves), best_bits)
                       for i in candidates[:settings.patch_candidates]}
@@ -321,7 +331,8 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     model_shapes = shapes(producer)
     raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
     fitting = {
-        "settings": {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range)},
+        "settings": {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range),
+                     "patch_layers": None if settings.patch_layers is None else list(settings.patch_layers)},
         "text": text_info.to_dict() if isinstance(text_info, Corpus) else (text_info or {}),
         "statistics_tokens": moments.tokens, "statistics_windows": len(windows),
         "holdout_prompts": len(prompts), "budget_kl": settings.budget_kl, "budget_met": budget_met,

@@ -15,6 +15,9 @@ def add_parser(bench) -> None:
     scd.add_argument("--producer", default="default", help="the model that prefills ('default', a Hub id or a path)")
     scd.add_argument("--consumer", required=True, help="the model that decodes (e.g. a `scd make-consumer` directory)")
     scd.add_argument("--knowledge-base", required=True, type=Path, help="the pair's knowledge base (`scd fit --out`)")
+    scd.add_argument("--more-knowledge-bases", nargs="*", default=[], metavar="NAME=DIR",
+                     help="more SCD operating points of the same pair (other budgets, forced Patch layers), each "
+                          "reported as method NAME (e.g. scd-kl0.2=DIR)")
     scd.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     scd.add_argument("--text", nargs="+", default=None,
                      help=f"evaluation text (default: {EVALUATION_TEXT}); must differ from the calibration and "
@@ -41,6 +44,12 @@ def command(args) -> int:
     from ...text import load_corpus, tokenize_corpus
 
     kb = SCDKnowledgeBase.load(args.knowledge_base)
+    extra_kbs = {}
+    for item in args.more_knowledge_bases:
+        name, separator, directory = item.partition("=")
+        if not separator or not name.startswith("scd-"):
+            raise ValueError(f"--more-knowledge-bases takes NAME=DIR with NAME starting 'scd-', got {item!r}.")
+        extra_kbs[name] = SCDKnowledgeBase.load(directory)
     evaluation = load_corpus(args.text, default=EVALUATION_TEXT)
     producer = load_model(argparse.Namespace(model=args.producer, threads=args.threads))
     consumer = load_model(argparse.Namespace(model=args.consumer, threads=args.threads))
@@ -57,7 +66,7 @@ def command(args) -> int:
 
         codebooks, _, _ = ensure_codebooks(producer)
     results = run_scd_bench(producer, consumer, kb, kvtc_kb, tokenize_corpus(producer.tokenizer, evaluation),
-                            evaluation.description, settings, gsrq_codebooks=codebooks)
+                            evaluation.description, settings, gsrq_codebooks=codebooks, extra_kbs=extra_kbs)
     write_results(args.out, "scd", results, scd_markdown(results))
     scd_plot(results, args.out / "scd.png")
     return 0
