@@ -49,14 +49,15 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     kb.save(tmp_path / "kb")
     kvtc = full_rank_knowledge_base(producer, producer, stream, window_tokens=128, windows=6, code_bits=8)
     kvtc.save(tmp_path / "kvtc")
+    sixteen_bit = full_rank_knowledge_base(producer, consumer, stream, window_tokens=128, windows=6, code_bits=16)
+    sixteen_bit.save(tmp_path / "kb16")
     codebooks = GSRQCodebooks.load(_tiny_codebooks(producer, stream, tmp_path / "codebooks"))
     settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
                                 cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
                             SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
                             stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks,
-                            extra_kbs={"scd-16bit": full_rank_knowledge_base(producer, consumer, stream, window_tokens=128,
-                                                                             windows=6, code_bits=16)})
+                            extra_kbs={"scd-16bit": sixteen_bit})
     quality = results["quality"]
     assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2",
                             f"gsrq-{TINY_BITS:g}", "scd-16bit"}
