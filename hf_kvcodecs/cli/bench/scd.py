@@ -4,6 +4,7 @@ prefill, for quality (perplexity, KL, pass-key) and cost (bytes, measured times,
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from .._common import add_command, load_model, positive_int, write_results
@@ -56,7 +57,8 @@ def command(args) -> int:
     calibration = tokenize_corpus(producer.tokenizer, load_corpus(None, default=CALIBRATION_TEXT))
     kvtc_kb = full_rank_knowledge_base(producer.model, producer.model, calibration, window_tokens=512,
                                        windows=args.kvtc_windows, code_bits=8, tokenizer=producer.tokenizer)
-    kvtc_kb.save(args.out / "kvtc_like_knowledge_base")
+    # rebuilt by every run from the calibration text; saved only to get the id its payloads name
+    kvtc_kb.save(Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kvtc_like_")))
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
                                 cost_contexts=tuple(args.cost_contexts), passkey_trials=args.passkey_trials,
                                 droidspeak_layers=tuple(args.droidspeak_layers), gsrq_bits=tuple(args.gsrq_bits))
