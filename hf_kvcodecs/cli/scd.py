@@ -52,7 +52,7 @@ def add_parser(commands) -> None:
     fit.add_argument("--max-patch-layers", type=int, default=SCD_FIT["max_patch_layers"],
                      help="most transition layers whose normalized input is sent instead of their KV")
     fit.add_argument("--patch-layers", type=int, nargs="+", default=None,
-                     help="use these transition layers instead of choosing them (an ablation; default: chosen "
+                     help="use these transition layers instead of choosing them, an ablation (default: chosen "
                           "greedily under the budget)")
     fit.add_argument("--exact-tokens", type=int, default=SCD_FIT["exact_tokens"],
                      help="first tokens of each prompt (attention sinks) the consumer computes itself")
