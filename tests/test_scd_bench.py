@@ -53,7 +53,7 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     sixteen_bit.save(tmp_path / "kb16")
     codebooks = GSRQCodebooks.load(_tiny_codebooks(producer, stream, tmp_path / "codebooks"))
     settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
-                                cost_repeats=1, passkey_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
+                                cost_repeats=1, passkey_trials=0, fact_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
                             SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
                             stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks,

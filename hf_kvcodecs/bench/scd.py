@@ -15,15 +15,14 @@ prefill, except the oracle, which is the consumer's own prefill:
 - ``scd``: the knowledge base's Reuse codes and Patch codes.
 
 Quality: teacher-forced continuation perplexity, KL from the oracle and top-1 agreement on held-out windows of real
-text, paired per window; and pass-key retrieval (exact match and token F1 of greedy answers). Cost: bytes per token
-on the wire; producer prefill + code, consumer rebuild and oracle prefill times measured at several context lengths
-in the same run; TTFT modelled from them plus bytes / bandwidth (see :func:`ttft_table`).
+text, paired per window; pass-key retrieval and fact look-up over real records (exact match and token F1 of greedy
+answers; see :mod:`.retrieval`). Cost: bytes per token on the wire; producer prefill + code, consumer rebuild and
+oracle prefill times measured at several context lengths in the same run; TTFT modelled from them plus bytes / bandwidth (see :func:`ttft_table`).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +35,15 @@ from transformers.cache_utils import DynamicCache
 from ..evaluation import WindowScores, paired_comparison, token_nll
 from ..scd import SCDKnowledgeBase, SCDTransferCache, encode, truncate_payload
 from ..scd.model_access import decoder_layers, shapes, unwrapped
+from .retrieval import (
+    PACKAGE_DATABASE,
+    exact_match,
+    fact_lookup_prompts,
+    first_line,
+    package_records,
+    passkey_prompts,
+    token_f1,
+)
 
 # A datasheet figure, not a measurement: NVIDIA H100 / H200 SXM dense BF16 tensor-core peak. GPU-class prefill times
 # are modelled as the prefill's FLOPs at GPU_MFU of this peak (an assumption stated in every report).
@@ -54,6 +62,8 @@ class SCDBenchSettings:
     cost_repeats: int = 3
     bandwidths_gbps: tuple[float, ...] = (1, 2, 5, 10, 25, 50, 100, 200, 400)
     passkey_trials: int = 6
+    fact_trials: int = 8  # fact look-up questions over Debian's package database (see bench.retrieval)
+    fact_records: str = str(PACKAGE_DATABASE)
     kivi_group: int = 64  # tokens per key-channel group, channels per value-token group
     droidspeak_layers: tuple[int, ...] = (10, 20)
     gsrq_bits: tuple[float, ...] = (2.0,)
@@ -261,54 +271,40 @@ def quality(producer, consumer, kb, kvtc_kb, windows: list[torch.Tensor], settin
     return results
 
 
-# ---- pass-key retrieval -------------------------------------------------------------------------------------------
-
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+# ---- retrieval: pass-key and fact look-up ---------------------------------------------------------------------
 
 
-def passkey_prompts(tokenizer, text_ids: torch.Tensor, trials: int, context_tokens: int, seed: int):
-    """Real passages with one sentence "The pass key is NNNNN. Remember it." inserted at a depth that varies by trial;
-    the prompt ends with the question. Returns (prompt ids, answer) pairs."""
-    generator = torch.Generator().manual_seed(seed)
-    question = tokenizer(PASSKEY_QUESTION, add_special_tokens=False, return_tensors="pt").input_ids[0]
-    prompts = []
-    for trial in range(trials):
-        key = str(int(torch.randint(10000, 99999, (1,), generator=generator)))
-        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_special_tokens=False,
-                           return_tensors="pt").input_ids[0]
-        filler = context_tokens - needle.numel() - question.numel()
-        start = trial * (text_ids.numel() - filler) // max(trials, 1)
-        passage = text_ids[start:start + filler]
-        depth = int(filler * (trial + 0.5) / trials)
-        ids = torch.cat((passage[:depth], needle, passage[depth:], question))
-        prompts.append((ids, key))
-    return prompts
-
-
-def token_f1(prediction: str, answer: str) -> float:
-    predicted, expected = re.findall(r"\w+", prediction.lower()), re.findall(r"\w+", answer.lower())
-    common = sum(min(predicted.count(word), expected.count(word)) for word in set(expected))
-    if not predicted or not common:
-        return 0.0
-    precision, recall = common / len(predicted), common / len(expected)
-    return 2 * precision * recall / (precision + recall)
+def retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings: SCDBenchSettings, answer_tokens: int,
+              description: str, progress=True, gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
+    """Greedy answers of the consumer after each method's cache of the prompt (all but its last token); exact match
+    and token F1 against the real answer, per method, plus the answers themselves."""
+    scores: dict[str, list[tuple[float, float, str]]] = {}
+    for ids, expected in tqdm(prompts, desc=description, disable=not progress):
+        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks, extra_kbs)
+        for name, (build, _) in methods.items():
+            output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                                       cache=build(), max_new_tokens=answer_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+            answer = first_line(tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True))
+            scores.setdefault(name, []).append((exact_match(answer, expected), token_f1(answer, expected), answer))
+    return {name: {"exact_match": statistics.mean(s[0] for s in values), "f1": statistics.mean(s[1] for s in values),
+                   "trials": len(values), "answers": [s[2] for s in values],
+                   "expected": [expected for _, expected in prompts]} for name, values in scores.items()}
 
 
 def passkey(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDBenchSettings, progress=True,
             gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
-    scores: dict[str, list[tuple[float, float]]] = {}
-    for ids, key in tqdm(passkey_prompts(tokenizer, text_ids, settings.passkey_trials, settings.context_tokens,
-                                         settings.seed), desc="SCD pass-key", disable=not progress):
-        methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks, extra_kbs)
-        for name, (build, _) in methods.items():
-            output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
-                                       cache=build(), max_new_tokens=6, do_sample=False,
-                                       pad_token_id=tokenizer.pad_token_id)
-            answer = tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True)
-            found = re.findall(r"\d+", answer)
-            scores.setdefault(name, []).append((float(bool(found) and found[0] == key), token_f1(answer, key)))
-    return {name: {"exact_match": statistics.mean(s[0] for s in values), "f1": statistics.mean(s[1] for s in values),
-                   "trials": len(values)} for name, values in scores.items()}
+    prompts = passkey_prompts(tokenizer, text_ids, settings.passkey_trials, settings.context_tokens, settings.seed)
+    return retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings, 6, "SCD pass-key", progress,
+                     gsrq_codebooks, extra_kbs)
+
+
+def fact_lookup(producer, consumer, tokenizer, kb, kvtc_kb, settings: SCDBenchSettings, progress=True,
+                gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
+    prompts = fact_lookup_prompts(tokenizer, package_records(settings.fact_records), settings.fact_trials,
+                                  settings.context_tokens)
+    return retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings, 24, "SCD fact look-up", progress,
+                     gsrq_codebooks, extra_kbs)
 
 
 # ---- cost and TTFT ------------------------------------------------------------------------------------------------
@@ -457,6 +453,8 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
     quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress, gsrq_codebooks, extra_kbs)
     passkey_results = passkey(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, evaluation_ids, settings,
                               progress, gsrq_codebooks, extra_kbs) if settings.passkey_trials else {}
+    fact_results = fact_lookup(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, settings, progress,
+                               gsrq_codebooks, extra_kbs) if settings.fact_trials else {}
     cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress, gsrq_codebooks, extra_kbs)
     num_layers = shapes(consumer).layers
     sizes = {name: row["bytes_per_token"] for name, row in quality_results.items()}
@@ -477,7 +475,7 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
                                   for name, other in (extra_kbs or {}).items()},
         "evaluation_text": evaluation_description, "settings": settings_dict(settings),
         "raw_16bit_bytes_per_token": 2 * num_layers * shapes(consumer).kv_width * 2,
-        "quality": quality_results, "passkey": passkey_results, "cost": {str(k): v for k, v in cost_rows.items()},
+        "quality": quality_results, "passkey": passkey_results, "fact_lookup": fact_results, "cost": {str(k): v for k, v in cost_rows.items()},
         "ttft": sweeps, "speedup": {key: speedups(table) for key, table in sweeps.items()},
         "gpu_class_source": GPU_SOURCE, "seconds": time.perf_counter() - started,
     }
@@ -491,17 +489,21 @@ def scd_markdown(results: dict) -> str:
              f"Quality on {results['settings']['windows']} windows of {results['settings']['context_tokens']} context "
              f"+ {results['settings']['continuation_tokens']} continuation tokens (teacher-forced), paired per window "
              "with the oracle (the consumer's own prefill); pass-key: "
-             f"{results['settings']['passkey_trials']} prompts of {results['settings']['context_tokens']} tokens.", "",
-             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | F1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{results['settings']['passkey_trials']} prompts of {results['settings']['context_tokens']} tokens; "
+             f"fact look-up: {results['settings'].get('fact_trials', 0)} questions, each the version of one package "
+             f"in a context of real records of {results['settings'].get('fact_records')} (see bench.retrieval).", "",
+             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | F1 | fact EM | F1 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in results["quality"].items():
         size = row["bytes_per_token"]
         ratio = f"{raw / size:.1f}x" if size else "-"
         se = row["delta_ppl_pct_se"]
         key = results["passkey"].get(name, {})
+        fact = results.get("fact_lookup", {}).get(name, {})
         lines.append(f"| {name} | {size:.0f} | {ratio} | {row['perplexity']:.3f} | {row['delta_ppl_pct']:+.2f} ± "
                      f"{(se or 0):.2f} | {row.get('kl_mean', 0):.4f} | {row.get('top1_agreement', 1):.3f} | "
-                     f"{key.get('exact_match', float('nan')):.2f} | {key.get('f1', float('nan')):.2f} |")
+                     f"{key.get('exact_match', float('nan')):.2f} | {key.get('f1', float('nan')):.2f} | "
+                     f"{fact.get('exact_match', float('nan')):.2f} | {fact.get('f1', float('nan')):.2f} |")
     lines += ["", "Cost, measured on this machine (median of repeats, seconds):", "",
               "| tokens | oracle prefill | producer prefill | SCD encode | SCD rebuild | KIVI dequant | first step | "
               "GPU-class oracle prefill (modelled) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -30,6 +30,8 @@ def add_parser(bench) -> None:
     scd.add_argument("--cost-contexts", type=positive_int, nargs="+", default=[1024, 4096, 8192],
                      help="context lengths the times are measured at")
     scd.add_argument("--passkey-trials", type=int, default=6, help="pass-key prompts")
+    scd.add_argument("--fact-trials", type=int, default=8,
+                     help="fact look-up questions over Debian's package database (0 to leave them out)")
     scd.add_argument("--droidspeak-layers", type=int, nargs="*", default=[10, 20],
                      help="transition layers of the DroidSpeak-style baseline")
     scd.add_argument("--gsrq-bits", type=float, nargs="*", default=[2.0],
@@ -61,6 +63,7 @@ def command(args) -> int:
     kvtc_kb.save(Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kvtc_like_")))
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
                                 cost_contexts=tuple(args.cost_contexts), passkey_trials=args.passkey_trials,
+                                fact_trials=args.fact_trials,
                                 droidspeak_layers=tuple(args.droidspeak_layers), gsrq_bits=tuple(args.gsrq_bits))
     codebooks = None
     if args.gsrq_bits:

@@ -1,0 +1,110 @@
+"""Retrieval prompts built from real text: pass-key needles in real passages, and fact look-up over a real record set.
+
+Fact look-up uses Debian's package database (``/var/lib/dpkg/status``), the records of the software installed on the
+machine: each record is cut to its one-line fields (name, version, architecture, maintainer, installed size), a
+contiguous run of real records fills the context, and the question repeats one record's ``Package:`` line and asks for
+its ``Version:``. The answer is that record's real version string, which no model can know without reading the
+passage, and every package name occurs once in the database, so the question has exactly one answer.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+PACKAGE_DATABASE = Path("/var/lib/dpkg/status")
+RECORD_FIELDS = ("Package", "Version", "Architecture", "Maintainer", "Installed-Size")
+FACT_QUESTION = "\n\nThe record of the package {name} above reads:\nPackage: {name}\nVersion:"
+
+
+def token_f1(prediction: str, answer: str) -> float:
+    """SQuAD-style token F1 over word characters (punctuation splits tokens)."""
+    predicted, expected = re.findall(r"\w+", prediction.lower()), re.findall(r"\w+", answer.lower())
+    common = sum(min(predicted.count(word), expected.count(word)) for word in set(expected))
+    if not predicted or not common:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+
+
+def passkey_prompts(tokenizer, text_ids: torch.Tensor, trials: int, context_tokens: int, seed: int):
+    """Real passages with one sentence "The pass key is NNNNN. Remember it." inserted at a depth that varies by trial;
+    the prompt ends with the question. Returns (prompt ids, answer) pairs."""
+    generator = torch.Generator().manual_seed(seed)
+    question = _ids(tokenizer, PASSKEY_QUESTION)
+    prompts = []
+    for trial in range(trials):
+        key = str(int(torch.randint(10000, 99999, (1,), generator=generator)))
+        needle = _ids(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
+        filler = context_tokens - needle.numel() - question.numel()
+        start = trial * (text_ids.numel() - filler) // max(trials, 1)
+        passage = text_ids[start:start + filler]
+        depth = int(filler * (trial + 0.5) / trials)
+        prompts.append((torch.cat((passage[:depth], needle, passage[depth:], question)), key))
+    return prompts
+
+
+def package_records(path: Path | str = PACKAGE_DATABASE) -> list[dict[str, str]]:
+    """The package database's records with every field of :data:`RECORD_FIELDS` present, in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Fact look-up reads Debian's package database at {path}, which is missing here; "
+                                "run on a Debian-based machine or pass fact_trials=0 (--fact-trials 0).")
+    records = []
+    for block in path.read_text(encoding="utf-8", errors="replace").split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line.startswith(" "))
+        if all(fields.get(name) for name in RECORD_FIELDS):
+            records.append({name: fields[name].strip() for name in RECORD_FIELDS})
+    return records
+
+
+def format_record(record: dict[str, str]) -> str:
+    return "".join(f"{name}: {record[name]}\n" for name in RECORD_FIELDS) + "\n"
+
+
+def fact_lookup_prompts(tokenizer, records: list[dict[str, str]], trials: int, context_tokens: int):
+    """Prompts of at most ``context_tokens`` tokens: a contiguous run of real records (the run starts further into the
+    database each trial), the asked record at a depth that varies by trial, then :data:`FACT_QUESTION`.
+    Returns (prompt ids, version) pairs."""
+    names = [record["Package"] for record in records]
+    if len(set(names)) != len(names):
+        raise ValueError("The package database repeats a package name; a fact look-up question would be ambiguous.")
+    encoded = [_ids(tokenizer, format_record(record)) for record in records]
+    prompts = []
+    for trial in range(trials):
+        start = trial * len(records) // max(trials, 1)
+        chosen, used = [], 0
+        for index in range(start, start + len(records)):
+            length = encoded[index % len(records)].numel()
+            if used + length > context_tokens * 0.85:  # leaves room for the question
+                break
+            chosen.append(index % len(records))
+            used += length
+        if len(chosen) < 2:
+            raise ValueError(f"A context of {context_tokens} tokens holds fewer than two package records; use a "
+                             "longer context for fact look-up.")
+        target = chosen[int(len(chosen) * (trial + 0.5) / trials)]
+        question = _ids(tokenizer, FACT_QUESTION.format(name=records[target]["Package"]))
+        ids = torch.cat([encoded[index] for index in chosen] + [question])
+        if ids.numel() > context_tokens:
+            raise ValueError(f"A fact look-up prompt needs {ids.numel()} tokens, more than the context of "
+                             f"{context_tokens}; use a longer context.")
+        prompts.append((ids, records[target]["Version"]))
+    return prompts
+
+
+def first_line(answer: str) -> str:
+    return answer.strip().split("\n", 1)[0].strip()
+
+
+def exact_match(answer: str, expected: str) -> float:
+    """The answer's first whitespace-separated word (trailing punctuation stripped) equals the expected string."""
+    words = first_line(answer).split()
+    return float(bool(words) and words[0].rstrip(".,;") == expected)
