@@ -7,12 +7,16 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..codecs.learnable import ACTIVATION_GRANULARITIES, check_activation_bits
 from .kv_artifacts import GSRQ_CODEBOOKS, KV_ARTIFACTS, kv_artifact
+from .modules import WEIGHT_INITS
 from .rtn import SCALE_DTYPES, check_bits
 
 QUANT_METHOD = "hf_kvcodecs"
-# Bumped whenever a checkpoint written by this version cannot be read correctly by an older hf_kvcodecs.
-FORMAT_VERSION = 1
+# Bumped whenever a checkpoint written by this version cannot be read correctly by an older hf_kvcodecs. A
+# checkpoint is written with the lowest version that reads it: 2 only when it quantizes activations.
+FORMAT_VERSION = 2
+ACTIVATION_FORMAT_VERSION = 2
 MODES = ("packed", "fake")
 # Where save_pretrained writes the KV codebooks, relative to the checkpoint folder.
 KV_CODEBOOKS_FOLDER = GSRQ_CODEBOOKS.folder
@@ -35,6 +39,16 @@ class KVCodecsConfig(QuantizationConfigMixin):
             converted layer's ``in_features`` must be a multiple of it.
         symmetric (`bool`, defaults to `False`):
             Symmetric grid (one scale per group) instead of min-max (scale and offset per group).
+        activation_bits (`int` or `None`, defaults to `None`):
+            Bits of the inputs of the converted layers (2 to 8), fake-quantized on a learned LSQ step before each
+            matmul, in training and at inference. ``None`` (or 16) keeps activations in floating point. Needs
+            ``mode="fake"`` to learn the steps (``pack_fake_quantized`` keeps them).
+        activation_granularity (`str`, defaults to `"tensor"`):
+            One activation step per layer (``"tensor"``) or per input channel (``"channel"``).
+        weight_init (`str`, defaults to `"minmax"`):
+            How fake-quant weight grids start: ``"minmax"`` RTN, or ``"stretched"`` (ParetoQ's stretched elastic
+            grid, with ``symmetric=True``: levels at the centres of equal bins of ``[-absmax, absmax]``, at 2 bits
+            ``{-3/4, -1/4, 1/4, 3/4} * absmax``, no zero level).
         mode (`str`, defaults to `"packed"`):
             ``"packed"``: int32-packed codes plus scales, the inference format (``PackedLinear``). ``"fake"``:
             float weights quantized on the fly with a straight-through estimator and learnable scales
@@ -64,6 +78,9 @@ class KVCodecsConfig(QuantizationConfigMixin):
         mode: str = "packed",
         modules_to_not_convert: list[str] | None = None,
         scale_dtype: str = "float16",
+        activation_bits: int | None = None,
+        activation_granularity: str = "tensor",
+        weight_init: str = "minmax",
         kv_cache_implementation: str | None = None,
         kv_cache_config: dict[str, Any] | None = None,
         format_version: int = FORMAT_VERSION,
@@ -75,7 +92,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
         if kwargs:
             raise ValueError(
                 f"Unknown KVCodecsConfig option(s) {sorted(kwargs)}. Valid options: weight_bits, group_size, symmetric, "
-                "mode, modules_to_not_convert, scale_dtype, kv_cache_implementation, kv_cache_config. If they come "
+                "mode, modules_to_not_convert, scale_dtype, activation_bits, activation_granularity, weight_init, "
+                "kv_cache_implementation, kv_cache_config. If they come "
                 "from a checkpoint's config.json, it was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
             )
         self.quant_method = QUANT_METHOD
@@ -85,6 +103,9 @@ class KVCodecsConfig(QuantizationConfigMixin):
         self.mode = mode
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
         self.scale_dtype = scale_dtype
+        self.activation_bits = None if activation_bits == 16 else activation_bits
+        self.activation_granularity = activation_granularity
+        self.weight_init = weight_init
         self.kv_cache_implementation = kv_cache_implementation
         self.kv_cache_config = None if kv_cache_config is None else dict(kv_cache_config)
         self.format_version = format_version
@@ -114,6 +135,19 @@ class KVCodecsConfig(QuantizationConfigMixin):
             raise ValueError("mode='fake' trains quantized weights, so it needs weight_bits (1 to 8), not None.")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {tuple(SCALE_DTYPES)}, got {self.scale_dtype!r}.")
+        if self.activation_bits is not None:
+            check_activation_bits(self.activation_bits)
+            if not self.quantizes_weights:
+                raise ValueError("activation_bits quantizes the inputs of the converted linear layers, so it needs "
+                                 "weight_bits (1 to 8).")
+        if self.activation_granularity not in ACTIVATION_GRANULARITIES:
+            raise ValueError(f"activation_granularity must be one of {ACTIVATION_GRANULARITIES}, got "
+                             f"{self.activation_granularity!r}.")
+        if self.weight_init not in WEIGHT_INITS:
+            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}.")
+        if self.weight_init == "stretched" and not self.symmetric:
+            raise ValueError("weight_init='stretched' is ParetoQ's symmetric grid without a zero level; set "
+                             "symmetric=True with it.")
         if self.modules_to_not_convert is not None and not all(isinstance(m, str) for m in self.modules_to_not_convert):
             raise ValueError("modules_to_not_convert must be a list of module names (strings).")
         self._check_kv_cache()
@@ -143,15 +177,22 @@ class KVCodecsConfig(QuantizationConfigMixin):
         return self.weight_bits is not None
 
     def to_dict(self) -> dict[str, Any]:
+        # Options at their defaults are left out, so a checkpoint that does not use them stays readable by the
+        # versions before them.
+        optional = {name: value for name, value, default in (
+            ("activation_bits", self.activation_bits, None),
+            ("activation_granularity", self.activation_granularity, "tensor"),
+            ("weight_init", self.weight_init, "minmax")) if value != default}
         return {
             "quant_method": self.quant_method,
-            "format_version": self.format_version,
+            "format_version": ACTIVATION_FORMAT_VERSION if self.activation_bits is not None else 1,
             "weight_bits": self.weight_bits,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
             "mode": self.mode,
             "modules_to_not_convert": None if self.modules_to_not_convert is None else list(self.modules_to_not_convert),
             "scale_dtype": self.scale_dtype,
+            **optional,
             "kv_cache_implementation": self.kv_cache_implementation,
             "kv_cache_config": None if self.kv_cache_config is None else dict(self.kv_cache_config),
         }

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..codecs.learnable import LSQActivationQuantizer, stretched_symmetric_scale
 from .rtn import (
     SCALE_DTYPES,
     check_bits,
@@ -20,18 +21,37 @@ from .rtn import (
 )
 
 logger = logging.getLogger(__name__)
+WEIGHT_INITS = ("minmax", "stretched")
+
+
+def _input_quantizer(activation_bits, in_features, granularity, device, trainable: bool):
+    if activation_bits is None:
+        return None
+    quantizer = LSQActivationQuantizer(activation_bits, in_features, granularity, device=device)
+    quantizer.step.requires_grad_(trainable)
+    return quantizer
+
+
+def _copy_input_quantizer(source, target) -> None:
+    if source is not None:
+        with torch.no_grad():
+            target.step.copy_(source.step.detach())
+            target.initialized.copy_(source.initialized)
 
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight is stored as packed low-bit codes (see :mod:`hf_kvcodecs.quantization.rtn`).
 
     State dict: ``weight`` (int32 packed codes, never the float shape), ``weight_scale``, ``weight_offset`` (only
-    when asymmetric) and ``bias``. The forward pass dequantizes the weight to the input's dtype and runs a float
-    matmul; inside :func:`dequantized_weight_cache` the dequantized weight is kept between calls instead.
+    when asymmetric) and ``bias``; with ``activation_bits``, also ``input_quantizer.step`` and
+    ``input_quantizer.initialized``: the input is then quantized on that learned grid before the matmul, as in
+    training. The forward pass dequantizes the weight to the input's dtype and runs a float matmul; inside
+    :func:`dequantized_weight_cache` the dequantized weight is kept between calls instead.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
-                 symmetric: bool = False, scale_dtype: torch.dtype = torch.float16, device=None, dtype=None):
+                 symmetric: bool = False, scale_dtype: torch.dtype = torch.float16, activation_bits: int | None = None,
+                 activation_granularity: str = "tensor", device=None, dtype=None):
         super().__init__()
         check_bits(bits)
         if in_features % group_size:
@@ -52,6 +72,7 @@ class PackedLinear(nn.Module):
             "weight_offset", None if symmetric else torch.empty(out_features, groups, dtype=scale_dtype, device=device)
         )
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self.input_quantizer = _input_quantizer(activation_bits, in_features, activation_granularity, device, False)
         self._cached_weight: torch.Tensor | None = None
         self._cache_enabled = False
 
@@ -87,6 +108,8 @@ class PackedLinear(nn.Module):
                                  self.in_features, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer is not None:
+            x = self.input_quantizer(x)
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
 
     def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
@@ -101,8 +124,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
+        activations = "" if self.input_quantizer is None else f", activation_bits={self.input_quantizer.bits}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"bits={self.bits}, group_size={self.group_size}, {kind}")
+                f"bits={self.bits}, group_size={self.group_size}, {kind}{activations}")
 
 
 class FakeQuantLinear(nn.Linear):
@@ -110,14 +134,23 @@ class FakeQuantLinear(nn.Linear):
 
     The float ``weight`` (same key and shape as ``nn.Linear``) is the trained latent weight. ``weight_scale`` and
     ``weight_offset`` (asymmetric only) are ``nn.Parameter``s ``[out_features, in_features // group_size]``
-    initialised by min-max RTN and trained with LSQ-style gradients through :func:`~hf_kvcodecs.quantization.rtn.fake_quantize`.
-    Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
-    trained layer to a :class:`PackedLinear`.
+    initialised from the weight (``weight_init``: ``"minmax"`` RTN, or ``"stretched"``, ParetoQ's stretched elastic
+    grid, symmetric only: see :func:`~hf_kvcodecs.codecs.learnable.stretched_symmetric_scale`) and trained with LSQ
+    gradients through :func:`~hf_kvcodecs.quantization.rtn.fake_quantize`. With ``activation_bits``, the input goes
+    through ``input_quantizer`` (a learnable LSQ step, :class:`~hf_kvcodecs.codecs.learnable.LSQActivationQuantizer`)
+    first. Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
+    trained layer to a :class:`PackedLinear` on the learned grids.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
-                 symmetric: bool = False, device=None, dtype=None):
+                 symmetric: bool = False, activation_bits: int | None = None, activation_granularity: str = "tensor",
+                 weight_init: str = "minmax", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if weight_init not in WEIGHT_INITS:
+            raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {weight_init!r}.")
+        if weight_init == "stretched" and not symmetric:
+            raise ValueError("weight_init='stretched' initialises a symmetric grid; use symmetric=True with it.")
+        self.weight_init = weight_init
         check_bits(bits)
         if in_features % group_size:
             raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}.")
@@ -125,11 +158,15 @@ class FakeQuantLinear(nn.Linear):
         groups = in_features // group_size
         self.weight_scale = nn.Parameter(torch.empty(out_features, groups, device=device, dtype=dtype))
         self.weight_offset = None if symmetric else nn.Parameter(torch.empty(out_features, groups, device=device, dtype=dtype))
+        self.input_quantizer = _input_quantizer(activation_bits, in_features, activation_granularity, device, True)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False) -> FakeQuantLinear:
+    def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
+                    activation_bits: int | None = None, activation_granularity: str = "tensor",
+                    weight_init: str = "minmax") -> FakeQuantLinear:
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
-                     symmetric=symmetric, device=linear.weight.device, dtype=linear.weight.dtype)
+                     symmetric=symmetric, activation_bits=activation_bits, activation_granularity=activation_granularity,
+                     weight_init=weight_init, device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             module.weight.copy_(linear.weight)
             if linear.bias is not None:
@@ -138,8 +175,11 @@ class FakeQuantLinear(nn.Linear):
         return module
 
     def reset_quantizer_parameters(self) -> None:
-        """(Re)initialise the grid from the current weight by min-max RTN."""
+        """(Re)initialise the weight grid from the current weight (``weight_init``)."""
         scale, offset = rtn_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
+        if self.weight_init == "stretched":
+            groups = self.weight.detach().float().reshape(self.out_features, -1, self.group_size)
+            scale = stretched_symmetric_scale(groups, self.bits)
         with torch.no_grad():
             # A zero scale would divide by zero in the forward pass; the smallest normal float is harmless instead.
             self.weight_scale.copy_(scale.clamp_min(torch.finfo(self.weight_scale.dtype).tiny))
@@ -149,14 +189,22 @@ class FakeQuantLinear(nn.Linear):
     def quantized_weight(self) -> torch.Tensor:
         return fake_quantize(self.weight, self.weight_scale, self.weight_offset, self.bits, self.group_size)
 
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the matmul consumes: ``x`` on the input quantizer's grid (``x`` itself without one)."""
+        return x if self.input_quantizer is None else self.input_quantizer(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.quantized_weight().to(x.dtype), self.bias)
+        return F.linear(self.quantize_input(x), self.quantized_weight().to(x.dtype), self.bias)
 
     def to_packed(self, scale_dtype: torch.dtype = torch.float16) -> PackedLinear:
         """Export to a ``PackedLinear`` on the learned grid (scales rounded to ``scale_dtype``)."""
         module = PackedLinear(self.in_features, self.out_features, self.bias is not None, bits=self.bits,
                               group_size=self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
+                              activation_bits=None if self.input_quantizer is None else self.input_quantizer.bits,
+                              activation_granularity="tensor" if self.input_quantizer is None
+                              else self.input_quantizer.granularity,
                               device=self.weight.device, dtype=self.weight.dtype)
+        _copy_input_quantizer(self.input_quantizer, module.input_quantizer)
         module.load_quantized(quantize_weight(
             self.weight.detach(), self.bits, self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
             scale=self.weight_scale.detach(), offset=None if self.weight_offset is None else self.weight_offset.detach(),
@@ -175,7 +223,9 @@ class FakeQuantLinear(nn.Linear):
         return linear
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}"
+        activations = "" if self.input_quantizer is None else f", activation_bits={self.input_quantizer.bits}"
+        return (super().extra_repr() + f", bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}"
+                + activations)
 
 
 QUANTIZED_LINEAR_TYPES = (PackedLinear, FakeQuantLinear)
@@ -184,10 +234,11 @@ QUANTIZED_LINEAR_TYPES = (PackedLinear, FakeQuantLinear)
 def empty_quantized_linear(linear: nn.Linear, config) -> nn.Module:
     """The quantized module replacing ``linear`` before its weights are loaded (built on the current device, e.g. meta)."""
     common = dict(bits=config.weight_bits, group_size=config.group_size, symmetric=config.symmetric,
+                  activation_bits=config.activation_bits, activation_granularity=config.activation_granularity,
                   dtype=linear.weight.dtype, device=linear.weight.device)
     bias = linear.bias is not None
     if config.mode == "fake":
-        return FakeQuantLinear(linear.in_features, linear.out_features, bias, **common)
+        return FakeQuantLinear(linear.in_features, linear.out_features, bias, weight_init=config.weight_init, **common)
     return PackedLinear(linear.in_features, linear.out_features, bias, scale_dtype=SCALE_DTYPES[config.scale_dtype], **common)
 
 
@@ -195,7 +246,12 @@ def quantized_from_linear(linear: nn.Linear, config) -> nn.Module:
     """The quantized module computed from a loaded float ``linear``."""
     if config.mode == "fake":
         return FakeQuantLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
-                                           symmetric=config.symmetric)
+                                           symmetric=config.symmetric, activation_bits=config.activation_bits,
+                                           activation_granularity=config.activation_granularity,
+                                           weight_init=config.weight_init)
+    if config.activation_bits is not None:
+        raise ValueError("Activation quantization needs a learned step per layer: quantize with mode='fake', train "
+                         "(e.g. hf_kvcodecs.training.SQuaTTrainer), then pack_fake_quantized(model).")
     return PackedLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
                                     symmetric=config.symmetric, scale_dtype=SCALE_DTYPES[config.scale_dtype])
 

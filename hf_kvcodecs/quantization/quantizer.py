@@ -38,7 +38,7 @@ from ..integrations.loading import (
     remove_save_extension,
     was_loaded_from_checkpoint,
 )
-from .config import FORMAT_VERSION, QUANT_METHOD, KVCodecsConfig
+from .config import QUANT_METHOD, KVCodecsConfig
 from .kv_artifacts import GSRQ_CODEBOOKS, KVArtifact, kv_artifact
 from .modules import (
     QUANTIZED_LINEAR_TYPES,
@@ -152,7 +152,8 @@ class KVCodecsHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         # Written into the safetensors header, so the file says what it holds even without config.json.
-        return None, {"quant_method": QUANT_METHOD, "hf_kvcodecs_format_version": str(FORMAT_VERSION)}
+        return None, {"quant_method": QUANT_METHOD,
+                      "hf_kvcodecs_format_version": str(self.quantization_config.to_dict()["format_version"])}
 
     # ---- KV cache -------------------------------------------------------------------------------------------------
     @property

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs.learnable import scale_gradient
+
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 CODES_PER_BLOCK = 32  # codes of one row are packed in blocks of 32, i.e. ``bits`` int32 words per block
@@ -195,12 +197,15 @@ def fake_quantize(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     """Quantize-dequantize ``weight`` on the grid ``scale``/``offset`` with a straight-through estimator.
 
     Rounding passes gradients straight through; clamping does not (weights beyond the grid get no gradient through
-    the rounding path). ``scale`` and ``offset`` receive the LSQ gradients, so they can be learned.
+    the rounding path). ``scale`` and ``offset`` receive the LSQ gradients, scaled by LSQ's rule
+    ``1 / sqrt(group_size * (2**bits - 1))`` so that a step shared by a group does not move faster than its weights.
     """
     out_features, in_features = weight.shape
     levels = 2**bits - 1
     groups = weight.reshape(out_features, in_features // group_size, group_size)
-    scale = scale.unsqueeze(-1)
+    factor = 1.0 / (group_size * levels) ** 0.5
+    scale = scale_gradient(scale, factor).unsqueeze(-1)
+    offset = None if offset is None else scale_gradient(offset, factor)
     if offset is None:
         normalized = (groups / scale + levels / 2).clamp(0, levels)
     else:

@@ -1,0 +1,400 @@
+"""``SQuaTTrainer``: label-free quantization-aware distillation inside the ordinary ``transformers.Trainer`` loop.
+
+Loss per batch (no labels needed), over the positions the attention mask keeps:
+
+    kd_weight * T^2 * KL(teacher || student)  +  feature_weight * MSE(Q_s(f_s), Q_s(f_t)) / E||f_t||^2
+
+where ``f`` is the input of ``distillation_module`` (by default the last block's ``mlp.gate_proj``, i.e. the output
+of its ``post_attention_layernorm``) and ``Q_s`` the student's activation quantizer there with its *current* step,
+applied to the teacher's feature without gradient. Switches in :class:`SQuaTConfig` give the ablations with the same
+code: ``quantize_teacher_features=False`` (feature KD against the raw teacher), ``feature_loss=False`` (logit-only
+KD), and no teacher with ``use_labels=True`` (next-token cross-entropy QAT).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from ..codecs.learnable import LSQActivationQuantizer
+from ..quantization import KVCodecsConfig, pack_fake_quantized, quantize_model
+from .losses import chunked_kl, chunked_nll, feature_terms
+
+logger = logging.getLogger(__name__)
+QUANTIZER_PARAMETER_SUFFIXES = ("weight_scale", "weight_offset", "input_quantizer.step")
+
+
+@dataclass
+class SQuaTConfig:
+    """What SQuaT optimises (see the module docstring).
+
+    Args:
+        kd_weight: ``beta``, the weight of the logit KL term.
+        feature_weight: ``gamma``, the weight of the feature term.
+        temperature: ``T`` of the logit KL.
+        distillation_layers: decoder layers (negative counts from the end) whose ``distillation_module`` input is
+            distilled; their terms are averaged.
+        distillation_module: the module, relative to a decoder layer, whose input is the feature.
+        quantize_teacher_features: target ``Q_s(f_t)`` (SQuaT) or the raw ``f_t`` (the ablation).
+        feature_loss: ``False`` drops the feature term (logit-only KD-QAT).
+        kd_loss: ``False`` drops the logit term.
+        use_labels: train on the batch's ``labels`` too (next-token cross-entropy with weight ``label_weight``);
+            otherwise labels in a batch are ignored with a warning.
+        label_weight: weight of that cross-entropy term.
+        chunk_tokens: rows of logits made at once for the KL and cross-entropy terms.
+        quantizer_learning_rate: learning rate of the weight scales/offsets and activation steps (no weight decay);
+            ``None`` uses ``TrainingArguments.learning_rate``.
+    """
+
+    kd_weight: float = 1.0
+    feature_weight: float = 1.0
+    temperature: float = 1.0
+    distillation_layers: tuple[int, ...] = (-1,)
+    distillation_module: str = "mlp.gate_proj"
+    quantize_teacher_features: bool = True
+    feature_loss: bool = True
+    kd_loss: bool = True
+    use_labels: bool = False
+    label_weight: float = 1.0
+    chunk_tokens: int = 512
+    quantizer_learning_rate: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "distillation_layers": list(self.distillation_layers)}
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The transformers model under DDP / accelerate and peft wrappers."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def _decoder_layers(model: nn.Module, role: str) -> nn.ModuleList:
+    decoder = _base(model).get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"The {role} model's decoder ({type(decoder).__name__}) has no `layers` list; SQuaTTrainer "
+                         "supports decoder-only transformers models (Llama, Mistral, Qwen2, ...).")
+    return layers
+
+
+def quantized_linear_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with a fake-quantized weight (a learnable ``weight_scale`` and a ``quantized_weight`` method)."""
+    return {name: module for name, module in _base(model).named_modules()
+            if isinstance(getattr(module, "weight_scale", None), nn.Parameter) and hasattr(module, "quantized_weight")}
+
+
+class SQuaTTrainer(Trainer):
+    """``Trainer`` for label-free quantization-aware distillation (SQuaT) of a fake-quantized student.
+
+    ``model`` is the student: a model quantized with ``KVCodecsConfig(mode="fake", ...)`` (``from_pretrained`` or
+    :func:`~hf_kvcodecs.quantization.quantize_model`), optionally with peft LoRA adapters on it; or a float model plus
+    ``quantization_config``, which the trainer quantizes (then the float model, copied first, is the teacher unless
+    ``teacher_model`` is given). The teacher is frozen, in eval mode, placed with
+    ``accelerator.prepare_model(teacher, evaluation_mode=True)``, and never part of the student's checkpoints.
+    Everything else (arguments, datasets, callbacks, ``train(resume_from_checkpoint=...)``, ``evaluate()``,
+    ``accelerate launch`` / ``torchrun``) is ``Trainer``'s. :meth:`export` writes the packed low-bit model.
+    """
+
+    def __init__(self, model=None, teacher_model=None, args=None, *, squat_config: SQuaTConfig | None = None,
+                 quantization_config: KVCodecsConfig | dict | None = None, **kwargs):
+        self.squat_config = squat_config or SQuaTConfig()
+        config = self.squat_config
+        if model is None:
+            raise ValueError("SQuaTTrainer needs model= (the student, or a float model with quantization_config=).")
+        if quantization_config is not None:
+            if quantized_linear_modules(model):
+                raise ValueError("quantization_config was given but the model is already quantized; pass either a "
+                                 "float model with quantization_config or a quantized student without it.")
+            if isinstance(quantization_config, dict):
+                quantization_config = KVCodecsConfig(**quantization_config)
+            if quantization_config.mode != "fake":
+                raise ValueError("Training needs learnable quantizers: use KVCodecsConfig(mode='fake', ...).")
+            if teacher_model is None and (config.kd_loss or config.feature_loss):
+                teacher_model = copy.deepcopy(model)
+            model = quantize_model(model, quantization_config)
+        needs_teacher = config.kd_loss or config.feature_loss
+        if needs_teacher and teacher_model is None:
+            raise ValueError("SQuaT distils from a teacher: pass teacher_model= (the full-precision model), or turn "
+                             "both kd_loss and feature_loss off and set use_labels=True for cross-entropy QAT.")
+        if not needs_teacher and not config.use_labels:
+            raise ValueError("With kd_loss and feature_loss off, nothing is trained: set use_labels=True.")
+        self._check_student(model)
+        self._distillation_points = self._check_pair(model, teacher_model) if teacher_model is not None else []
+        super().__init__(model=model, args=args, **kwargs)
+        # compute_loss returns a per-batch mean: the Trainer divides it by the accumulation steps.
+        self.loss_is_scaled_for_ga = False
+        self.teacher = None
+        if teacher_model is not None:
+            teacher_model.eval()
+            for parameter in teacher_model.parameters():
+                parameter.requires_grad_(False)
+            self.teacher = self.accelerator.prepare_model(teacher_model, evaluation_mode=True)
+        self._captured: dict = {}
+        self._hooks = self._install_hooks(model, teacher_model)
+        self._terms: dict[str, list[float]] = defaultdict(list)
+        self._eval_sums: dict[str, float] = defaultdict(float)
+        self._warned_labels = False
+
+    # ---- checks -------------------------------------------------------------------------------------------------
+    def _check_student(self, model) -> None:
+        if not quantized_linear_modules(model):
+            raise ValueError("The student has no fake-quantized linear layer. Quantize it first: "
+                             "quantize_model(model, KVCodecsConfig(mode='fake', weight_bits=..., ...)), or pass "
+                             "quantization_config= to SQuaTTrainer.")
+
+    def _check_pair(self, student, teacher) -> list[tuple[int, nn.Module, nn.Module]]:
+        config = self.squat_config
+        student_head, teacher_head = _base(student).get_output_embeddings(), _base(teacher).get_output_embeddings()
+        if student_head.weight.shape[0] != teacher_head.weight.shape[0]:
+            raise ValueError(f"The student's vocabulary has {student_head.weight.shape[0]} tokens and the teacher's "
+                             f"{teacher_head.weight.shape[0]}; distillation needs the same tokenizer and vocabulary.")
+        student_layers, teacher_layers = _decoder_layers(student, "student"), _decoder_layers(teacher, "teacher")
+        if len(student_layers) != len(teacher_layers):
+            raise ValueError(f"The student has {len(student_layers)} decoder layers and the teacher "
+                             f"{len(teacher_layers)}; SQuaT distils a quantized copy of the teacher's architecture.")
+        if not config.feature_loss:
+            return []
+        points = []
+        count = len(student_layers)
+        for layer in config.distillation_layers:
+            if not -count <= layer < count:
+                raise ValueError(f"distillation layer {layer} does not exist: the model has {count} decoder layers "
+                                 f"(valid: {-count} to {count - 1}).")
+            index = layer % count
+            try:
+                student_module = student_layers[index].get_submodule(config.distillation_module)
+                teacher_module = teacher_layers[index].get_submodule(config.distillation_module)
+            except AttributeError as error:
+                raise ValueError(f"Decoder layer {index} has no module {config.distillation_module!r} "
+                                 "(SQuaTConfig.distillation_module).") from error
+            quantizer = getattr(student_module, "input_quantizer", None)
+            if config.quantize_teacher_features and not isinstance(quantizer, LSQActivationQuantizer):
+                raise ValueError(
+                    f"The student's layer {index} {config.distillation_module} has no activation quantizer, so there "
+                    "is no student lattice to quantize the teacher's feature on. Quantize activations "
+                    "(KVCodecsConfig(activation_bits=4, ...)), or set quantize_teacher_features=False (plain feature "
+                    "KD) or feature_loss=False.")
+            points.append((index, student_module, teacher_module))
+        return points
+
+    # ---- capture ------------------------------------------------------------------------------------------------
+    def _install_hooks(self, student, teacher) -> list:
+        hooks = []
+
+        def keep(key):
+            def hook(module, args, output):
+                if self._captured.get("active"):
+                    self._captured[key] = args[0] if key[0] != "final" else output[0]
+            return hook
+
+        hooks.append(_base(student).get_decoder().register_forward_hook(keep(("final", "student"))))
+        if teacher is not None:
+            hooks.append(_base(teacher).get_decoder().register_forward_hook(keep(("final", "teacher"))))
+        for index, student_module, teacher_module in self._distillation_points:
+            hooks.append(student_module.register_forward_hook(keep(("feature", "student", index))))
+            hooks.append(teacher_module.register_forward_hook(keep(("feature", "teacher", index))))
+        return hooks
+
+    def _forward(self, model, role, inputs) -> None:
+        self._captured["active"] = True
+        try:
+            model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), use_cache=False,
+                  logits_to_keep=1)
+        finally:
+            self._captured["active"] = False
+
+    # ---- loss ---------------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        config = self.squat_config
+        labels = inputs.get("labels")
+        if labels is not None and not config.use_labels and not self._warned_labels:
+            logger.warning("SQuaTTrainer is label-free: the batch's labels are ignored (set "
+                           "SQuaTConfig(use_labels=True) to add their cross-entropy).")
+            self._warned_labels = True
+        if config.use_labels and labels is None:
+            raise ValueError("SQuaTConfig(use_labels=True) but the batch has no labels; use "
+                             "DataCollatorForLanguageModeling(tokenizer, mlm=False) or drop use_labels.")
+        terms, loss = self._losses(model, inputs, labels if config.use_labels else None)
+        if model.training:
+            for name, value in terms.items():
+                self._terms[name].append(float(value))
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def _losses(self, model, inputs, labels):
+        config = self.squat_config
+        ids = inputs["input_ids"]
+        mask = inputs.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask
+        self._forward(model, "student", inputs)
+        captured = dict(self._captured)
+        if self.teacher is not None:
+            with torch.no_grad():
+                self._forward(self.teacher, "teacher", inputs)
+            captured.update(self._captured)
+        terms: dict[str, torch.Tensor] = {}
+        loss = ids.new_zeros((), dtype=torch.float32)
+        student_hidden = captured[("final", "student")]
+        valid = mask.bool()
+        if config.kd_loss:
+            kd = chunked_kl(student_hidden[valid], captured[("final", "teacher")][valid],
+                            _base(model).get_output_embeddings(), _base(self.teacher).get_output_embeddings(),
+                            temperature=config.temperature, chunk_tokens=config.chunk_tokens)
+            terms["kd"] = kd.detach()
+            loss = loss + config.kd_weight * kd
+        if self._distillation_points:
+            features, floors = [], []
+            for index, student_module, _ in self._distillation_points:
+                raw_student = captured[("feature", "student", index)]
+                raw_teacher = captured[("feature", "teacher", index)].detach()
+                quantizer = getattr(student_module, "input_quantizer", None)
+                student_feature = student_module.quantize_input(raw_student)
+                teacher_quantized = quantizer.quantize_detached(raw_teacher) if quantizer is not None else None
+                term, floor = feature_terms(student_feature, raw_teacher, teacher_quantized, mask,
+                                            quantized_target=config.quantize_teacher_features)
+                features.append(term)
+                if floor is not None:
+                    floors.append(floor)
+            feature = torch.stack(features).mean()
+            terms["feature"] = feature.detach()
+            if floors:
+                terms["feature_floor"] = torch.stack(floors).mean()
+            loss = loss + config.feature_weight * feature
+        if labels is not None:
+            shifted = labels[:, 1:]
+            keep = shifted.ne(-100) & valid[:, 1:]
+            nll = chunked_nll(student_hidden[:, :-1][keep], _base(model).get_output_embeddings(), shifted[keep],
+                              chunk_tokens=config.chunk_tokens)
+            ce = nll / keep.sum().clamp_min(1)
+            terms["ce"] = ce.detach()
+            loss = loss + config.label_weight * ce
+        self._captured.clear()
+        return terms, loss
+
+    # ---- activation steps ---------------------------------------------------------------------------------------
+    def initialize_activation_quantizers(self, dataloader) -> int:
+        """Give every activation quantizer without a step its data-based one, from the first batch of
+        ``dataloader`` (the mean over processes under distributed training). Runs before training and evaluation;
+        quantizers restored from a checkpoint keep their steps. Returns how many were initialised."""
+        model = self.model
+        pending = [m for m in _base(model).modules() if isinstance(m, LSQActivationQuantizer) and not m.is_initialized]
+        if not pending:
+            return 0
+        inputs = self._prepare_inputs(next(iter(dataloader)))
+        was_training = model.training
+        model.train()
+        with torch.no_grad():
+            model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), use_cache=False,
+                  logits_to_keep=1)
+        model.train(was_training)
+        return len(pending)
+
+    def train(self, *args, **kwargs):
+        if self.train_dataset is not None:
+            self.initialize_activation_quantizers(self.get_train_dataloader())
+        return super().train(*args, **kwargs)
+
+    # ---- logging and evaluation ---------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._terms:
+            for name, values in self._terms.items():
+                logs[f"squat_{name}"] = sum(values) / len(values)
+            self._terms.clear()
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            terms, loss = self._losses(model, inputs, None)
+            ids = inputs["input_ids"]
+            mask = inputs.get("attention_mask")
+            mask = torch.ones_like(ids) if mask is None else mask
+            # the student's own next-token likelihood of the evaluation text: its perplexity, no labels needed
+            self._forward(model, "student", inputs)
+            hidden = self._captured.pop(("final", "student"))
+            self._captured.clear()
+            keep = mask[:, 1:].bool() & mask[:, :-1].bool()
+            nll = chunked_nll(hidden[:, :-1][keep], _base(model).get_output_embeddings(), ids[:, 1:][keep],
+                              chunk_tokens=self.squat_config.chunk_tokens)
+        self._eval_sums["nll"] += float(nll)
+        self._eval_sums["tokens"] += float(keep.sum())
+        for name, value in terms.items():
+            self._eval_sums[name] += float(value) * ids.shape[0]
+        self._eval_sums["sequences"] += ids.shape[0]
+        if self.teacher is None:  # cross-entropy QAT: the evaluation loss is the student's next-token loss
+            loss = nll / keep.sum().clamp_min(1)
+        return loss.detach(), None, None
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        self._eval_sums.clear()
+        self.initialize_activation_quantizers(dataloader)
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        names = sorted(self._eval_sums)
+        totals = torch.tensor([self._eval_sums[name] for name in names], dtype=torch.float64,
+                              device=self.args.device)
+        totals = self.accelerator.reduce(totals, reduction="sum") if self.accelerator.num_processes > 1 else totals
+        sums = dict(zip(names, totals.tolist()))
+        if sums.get("tokens"):
+            output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(sums["nll"] / sums["tokens"])
+        for name in ("kd", "feature", "feature_floor"):
+            if name in sums and sums.get("sequences"):
+                output.metrics[f"{metric_key_prefix}_squat_{name}"] = sums[name] / sums["sequences"]
+        return output
+
+    # ---- optimizer ----------------------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        quantizer_lr = self.squat_config.quantizer_learning_rate or self.args.learning_rate
+        groups = {"decay": [], "no_decay": [], "quantizer": []}
+        for name, parameter in opt_model.named_parameters():
+            if not parameter.requires_grad:
+                continue
+            if name.endswith(QUANTIZER_PARAMETER_SUFFIXES):
+                groups["quantizer"].append(parameter)
+            else:
+                groups["decay" if name in decay else "no_decay"].append(parameter)
+        parameter_groups = [
+            {"params": groups["decay"], "weight_decay": self.args.weight_decay},
+            {"params": groups["no_decay"], "weight_decay": 0.0},
+            {"params": groups["quantizer"], "weight_decay": 0.0, "lr": quantizer_lr},
+        ]
+        optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        self.optimizer = optimizer_cls([group for group in parameter_groups if group["params"]], **optimizer_kwargs)
+        return self.optimizer
+
+    # ---- export -------------------------------------------------------------------------------------------------
+    def export(self, output_dir: str | Path, *, card: str | None = None, push_to_hub: str | None = None):
+        """Write the trained student as a packed low-bit checkpoint (learned weight grids, learned activation steps)
+        that ``from_pretrained`` loads in a fresh process; optionally with a model card and pushed to the Hub.
+        The trainer's student stays fake-quantized (training can go on)."""
+        output_dir = Path(output_dir)
+        student = copy.deepcopy(self.accelerator.unwrap_model(self.model))
+        if hasattr(student, "merge_and_unload"):  # peft adapters: merged into the latent weights first
+            student = student.merge_and_unload()
+        pack_fake_quantized(student)
+        student.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        if card is not None:
+            (output_dir / "README.md").write_text(card)
+        if push_to_hub:
+            from ..quantization.hub import push_compressed_model
+
+            push_compressed_model(output_dir, push_to_hub)
+        return output_dir
