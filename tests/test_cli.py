@@ -275,3 +275,14 @@ def test_the_scd_fit_parser_defaults_are_the_library_defaults():
     for dest in ("budget_kl", "windows", "holdout_prompts", "encoder", "max_patch_layers", "exact_tokens"):
         assert _default(("scd", "fit"), dest) == library[dest]
     assert tuple(_default(("scd", "fit"), "code_bits")) == library["code_bits"]
+
+
+def test_squat_cli_mirrors_the_library():
+    import dataclasses
+
+    from hf_kvcodecs.cli import squat
+    from hf_kvcodecs.training.run import ARMS, SQuaTRunSettings
+
+    assert tuple(sorted(ARMS)) == squat.SQUAT_ARMS
+    defaults = {field.name: field.default for field in dataclasses.fields(SQuaTRunSettings)}
+    assert {name: defaults[name] for name in squat.SQUAT_RUN} == squat.SQUAT_RUN

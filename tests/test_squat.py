@@ -323,3 +323,48 @@ def test_bad_input_is_refused_clearly(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_kvcodecs.training.trainer"):
         trainer.train()
     assert "labels are ignored" in caplog.text
+
+
+def test_run_squat_reports_teacher_rtn_and_trained_student(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_kvcodecs.training.run import SQuaTRunSettings, run_squat
+
+    torch.manual_seed(0)
+    teacher = LlamaForCausalLM(tiny_llama_config())
+    stream = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+    settings = SQuaTRunSettings(weight_bits=2, activation_bits=4, group_size=16, steps=4, sequence_tokens=32,
+                                batch_size=2, learning_rate=3e-4, eval_windows=3, eval_tokens=64)
+    loaded = SimpleNamespace(model=teacher, tokenizer=None, description="tiny random Llama")
+    report = run_squat(loaded, stream[:3000], stream[3000:], settings, tmp_path, train_description="random ids",
+                       eval_description="other random ids", progress=False)
+    assert report["fp"]["kl_mean"] == 0.0 and report["rtn"]["kl_mean"] > 0 and report["trained"]["kl_mean"] > 0
+    assert report["tokens_seen"] == 4 * 2 * 32
+    assert 2 < report["bits_per_weight"]["quantized_linear_layers"] < 4.5
+    assert report["bits_per_weight"]["all_parameters"] > report["bits_per_weight"]["quantized_linear_layers"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000 and (tmp_path / "model" / "config.json").is_file()
+    assert "| RTN (before training) |" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_squat_runs_every_arm_and_pairs_squat_with_its_ablation(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_kvcodecs.bench.squat import parse_setting, run_squat_bench
+    from hf_kvcodecs.training.run import ARMS, SQuaTRunSettings
+
+    assert parse_setting("W2A16") == (2, None) and parse_setting("W4A4") == (4, 4)
+    with pytest.raises(ValueError, match="WxAy"):
+        parse_setting("4-bit")
+    torch.manual_seed(0)
+    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()), tokenizer=None, description="tiny")
+    stream = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+    base = SQuaTRunSettings(group_size=16, steps=2, sequence_tokens=32, batch_size=2, eval_windows=3, eval_tokens=64)
+    results = run_squat_bench(loaded, stream[:3000], stream[3000:], settings=["W2A4"], arms=sorted(ARMS),
+                              seeds=[0, 1], base=base, out=tmp_path, train_description="a", eval_description="b",
+                              progress=False)
+    assert len(results["runs"]) == 6 and set(results["comparisons"]) == {"W2A4/seed0", "W2A4/seed1"}
+    runs = results["runs"]
+    assert runs["W2A4/squat/seed0"]["rtn"] == runs["W2A4/logit-kd/seed0"]["rtn"]  # same RTN start for every arm
+    assert runs["W2A4/squat/seed0"]["trained"] != runs["W2A4/squat/seed1"]["trained"]
+    table = (tmp_path / "squat.md").read_text()
+    assert "| W2A4 | RTN |" in table and "| W2A4 | cross-entropy | 0 |" in table

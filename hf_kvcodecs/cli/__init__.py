@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from . import _common, bench, calibrate, compress, demo, push, scd
+from . import _common, bench, calibrate, compress, demo, push, scd, squat
 from ._common import HelpFormatter
 
 # The model load every command goes through, looked up here at each call (see _common.load_model).
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at INFO level, and show the traceback of bad input instead of a one-line error")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, calibrate, push, compress, bench, scd):
+    for module in (demo, calibrate, push, compress, bench, scd, squat):
         module.add_parser(commands)
     return parser
 

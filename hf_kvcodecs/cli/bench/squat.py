@@ -1,0 +1,52 @@
+"""`hf-kvcodecs bench squat`: SQuaT against its ablations, cross-entropy QAT and RTN at several bit settings, with the
+same data, steps and seed for every arm (JSON + Markdown; one loss curve per run)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .._common import add_command, load_model, positive_int
+from ..defaults import CALIBRATION_TEXT, EVALUATION_TEXT
+from ..squat import SQUAT_ARMS, SQUAT_RUN
+
+
+def add_parser(bench) -> None:
+    squat = add_command(bench, "squat", "SQuaT vs raw-teacher-feature KD, logit KD, cross-entropy QAT and RTN")
+    squat.add_argument("--model", default="default", help="'default', a Hub id or a local path")
+    squat.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    squat.add_argument("--settings", nargs="+", default=["W4A16", "W2A16", "W4A4", "W2A4"],
+                       help="WxAy: weight bits and activation bits at the blocks' linear inputs (16: floating point)")
+    squat.add_argument("--arms", nargs="+", choices=SQUAT_ARMS, default=list(SQUAT_ARMS), help="objectives")
+    squat.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
+                       help="seeds of SQuaT and the raw-teacher-feature ablation (the other arms use the first)")
+    squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps per run")
+    squat.add_argument("--seq-len", type=positive_int, default=SQUAT_RUN["sequence_tokens"])
+    squat.add_argument("--batch-size", type=positive_int, default=SQUAT_RUN["batch_size"])
+    squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"])
+    squat.add_argument("--lr", type=float, default=SQUAT_RUN["learning_rate"])
+    squat.add_argument("--quantizer-lr", type=float, default=SQUAT_RUN["quantizer_learning_rate"])
+    squat.add_argument("--eval-windows", type=positive_int, default=SQUAT_RUN["eval_windows"])
+    squat.add_argument("--eval-tokens", type=positive_int, default=SQUAT_RUN["eval_tokens"])
+    squat.add_argument("--out", type=Path, default=Path("benchmarks/results/squat"),
+                       help="folder for squat.json/.md and one folder per run (an existing squat.json is continued)")
+    squat.set_defaults(func=command)
+
+
+def command(args) -> int:
+    from ...bench.squat import run_squat_bench
+    from ...text import load_corpus, tokenize_corpus
+    from ...training.run import SQuaTRunSettings
+
+    train = load_corpus(None, default=CALIBRATION_TEXT)
+    evaluation = load_corpus(None, default=EVALUATION_TEXT)
+    loaded = load_model(argparse.Namespace(model=args.model, threads=args.threads))
+    base = SQuaTRunSettings(steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
+                            group_size=args.group_size, learning_rate=args.lr,
+                            quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
+                            eval_tokens=args.eval_tokens)
+    run_squat_bench(loaded, tokenize_corpus(loaded.tokenizer, train), tokenize_corpus(loaded.tokenizer, evaluation),
+                    settings=args.settings, arms=args.arms, seeds=args.seeds, base=base, out=args.out,
+                    train_description=train.description, eval_description=evaluation.description)
+    print((args.out / "squat.md").read_text())
+    return 0
