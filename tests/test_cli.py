@@ -21,7 +21,7 @@ from hf_kvcodecs.cli._common import HelpFormatter
 
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
             ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
-            ("scd", "make-consumer"), ("scd", "fit")}
+            ("bench", "squat"), ("squat",), ("scd", "make-consumer"), ("scd", "fit")}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
 PAIR_COMMANDS = {("bench", "scd"), ("scd", "fit")}
 # Imported by commands when they run, never by `import hf_kvcodecs` (the package's own imports, which register it with

@@ -43,7 +43,7 @@ def add_parser(commands) -> None:
     squat.add_argument("--seed", type=int, default=SQUAT_RUN["seed"], help="data order and window choice")
     squat.add_argument("--out", required=True, type=Path,
                        help="folder for report.json/.md, loss.png and the packed student (model/)")
-    squat.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the packed student")
+    squat.add_argument("--push-to-hub", default=None, metavar="REPO", help="also upload the packed student (default: no upload)")
     squat.set_defaults(func=run)
 
 

@@ -14,20 +14,23 @@ from ..squat import SQUAT_ARMS, SQUAT_RUN
 def add_parser(bench) -> None:
     squat = add_command(bench, "squat", "SQuaT vs raw-teacher-feature KD, logit KD, cross-entropy QAT and RTN")
     squat.add_argument("--model", default="default", help="'default', a Hub id or a local path")
-    squat.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    squat.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     squat.add_argument("--settings", nargs="+", default=["W4A16", "W2A16", "W4A4", "W2A4"],
                        help="WxAy: weight bits and activation bits at the blocks' linear inputs (16: floating point)")
     squat.add_argument("--arms", nargs="+", choices=SQUAT_ARMS, default=list(SQUAT_ARMS), help="objectives")
     squat.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                        help="seeds of SQuaT and the raw-teacher-feature ablation (the other arms use the first)")
     squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps per run")
-    squat.add_argument("--seq-len", type=positive_int, default=SQUAT_RUN["sequence_tokens"])
-    squat.add_argument("--batch-size", type=positive_int, default=SQUAT_RUN["batch_size"])
-    squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"])
-    squat.add_argument("--lr", type=float, default=SQUAT_RUN["learning_rate"])
-    squat.add_argument("--quantizer-lr", type=float, default=SQUAT_RUN["quantizer_learning_rate"])
-    squat.add_argument("--eval-windows", type=positive_int, default=SQUAT_RUN["eval_windows"])
-    squat.add_argument("--eval-tokens", type=positive_int, default=SQUAT_RUN["eval_tokens"])
+    squat.add_argument("--seq-len", type=positive_int, default=SQUAT_RUN["sequence_tokens"],
+                       help="tokens per training window")
+    squat.add_argument("--batch-size", type=positive_int, default=SQUAT_RUN["batch_size"], help="windows per step")
+    squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"], help="weights per scale")
+    squat.add_argument("--lr", type=float, default=SQUAT_RUN["learning_rate"], help="peak learning rate of weights")
+    squat.add_argument("--quantizer-lr", type=float, default=SQUAT_RUN["quantizer_learning_rate"],
+                       help="learning rate of weight scales/offsets and activation steps")
+    squat.add_argument("--eval-windows", type=positive_int, default=SQUAT_RUN["eval_windows"],
+                       help="held-out evaluation windows")
+    squat.add_argument("--eval-tokens", type=positive_int, default=SQUAT_RUN["eval_tokens"], help="tokens per window")
     squat.add_argument("--out", type=Path, default=Path("benchmarks/results/squat"),
                        help="folder for squat.json/.md and one folder per run (an existing squat.json is continued)")
     squat.set_defaults(func=command)
