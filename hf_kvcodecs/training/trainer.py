@@ -17,7 +17,7 @@ import copy
 import logging
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -66,7 +66,6 @@ class SQuaTConfig:
     label_weight: float = 1.0
     chunk_tokens: int = 512
     quantizer_learning_rate: float | None = None
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "distillation_layers": list(self.distillation_layers)}
@@ -208,7 +207,7 @@ class SQuaTTrainer(Trainer):
             hooks.append(teacher_module.register_forward_hook(keep(("feature", "teacher", index))))
         return hooks
 
-    def _forward(self, model, role, inputs) -> None:
+    def _forward(self, model, inputs) -> None:
         self._captured["active"] = True
         try:
             model(input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"), use_cache=False,
@@ -238,11 +237,11 @@ class SQuaTTrainer(Trainer):
         ids = inputs["input_ids"]
         mask = inputs.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask
-        self._forward(model, "student", inputs)
+        self._forward(model, inputs)
         captured = dict(self._captured)
         if self.teacher is not None:
             with torch.no_grad():
-                self._forward(self.teacher, "teacher", inputs)
+                self._forward(self.teacher, inputs)
             captured.update(self._captured)
         terms: dict[str, torch.Tensor] = {}
         loss = ids.new_zeros((), dtype=torch.float32)
@@ -322,7 +321,7 @@ class SQuaTTrainer(Trainer):
             mask = inputs.get("attention_mask")
             mask = torch.ones_like(ids) if mask is None else mask
             # the student's own next-token likelihood of the evaluation text: its perplexity, no labels needed
-            self._forward(model, "student", inputs)
+            self._forward(model, inputs)
             hidden = self._captured.pop(("final", "student"))
             self._captured.clear()
             keep = mask[:, 1:].bool() & mask[:, :-1].bool()
