@@ -62,7 +62,7 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
                                        seed=seed)
                 report = run_squat(loaded, train_ids, eval_ids, run_settings, out / setting / f"{arm}-seed{seed}",
                                    train_description=train_description, eval_description=eval_description,
-                                   progress=progress)
+                                   progress=progress, export=False)
                 results["runs"][key] = {name: report[name] for name in
                                         ("settings", "tokens_seen", "train_seconds", "bits_per_weight", "fp", "rtn",
                                          "trained")}

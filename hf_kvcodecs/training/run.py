@@ -107,9 +107,11 @@ def bits_per_weight(model) -> dict:
 
 
 def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings: SQuaTRunSettings, out: Path, *,
-              train_description: str, eval_description: str, progress: bool = True, push_to_hub: str | None = None):
+              train_description: str, eval_description: str, progress: bool = True, push_to_hub: str | None = None,
+              export: bool = True):
     """Train one arm, evaluate teacher / RTN / trained student on held-out windows, export the packed student to
-    ``out/model`` and write ``out/report.{json,md}`` and ``out/loss.png``. Returns the report."""
+    ``out/model`` (unless ``export`` is False) and write ``out/report.{json,md}`` and ``out/loss.png``. Returns the
+    report."""
     from transformers import TrainingArguments
 
     if settings.arm not in ARMS:
@@ -160,7 +162,8 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
         "log_history": trainer.state.log_history,
     }
     card = report_markdown(report)
-    trainer.export(out / "model", card=card, push_to_hub=push_to_hub)
+    if export:
+        trainer.export(out / "model", card=card, push_to_hub=push_to_hub)
     report["seconds"] = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(card)
