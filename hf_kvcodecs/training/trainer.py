@@ -226,7 +226,7 @@ class SQuaTTrainer(Trainer):
         if config.use_labels and labels is None:
             raise ValueError("SQuaTConfig(use_labels=True) but the batch has no labels; use "
                              "DataCollatorForLanguageModeling(tokenizer, mlm=False) or drop use_labels.")
-        terms, loss = self._losses(model, inputs, labels if config.use_labels else None)
+        terms, loss, _ = self._losses(model, inputs, labels if config.use_labels else None)
         if model.training:
             for name, value in terms.items():
                 self._terms[name].append(float(value))
@@ -280,7 +280,7 @@ class SQuaTTrainer(Trainer):
             terms["ce"] = ce.detach()
             loss = loss + config.label_weight * ce
         self._captured.clear()
-        return terms, loss
+        return terms, loss, student_hidden
 
     # ---- activation steps ---------------------------------------------------------------------------------------
     def initialize_activation_quantizers(self, dataloader) -> int:
@@ -316,14 +316,11 @@ class SQuaTTrainer(Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            terms, loss = self._losses(model, inputs, None)
+            terms, loss, hidden = self._losses(model, inputs, None)
             ids = inputs["input_ids"]
             mask = inputs.get("attention_mask")
             mask = torch.ones_like(ids) if mask is None else mask
             # the student's own next-token likelihood of the evaluation text: its perplexity, no labels needed
-            self._forward(model, inputs)
-            hidden = self._captured.pop(("final", "student"))
-            self._captured.clear()
             keep = mask[:, 1:].bool() & mask[:, :-1].bool()
             nll = chunked_nll(hidden[:, :-1][keep], _base(model).get_output_embeddings(), ids[:, 1:][keep],
                               chunk_tokens=self.squat_config.chunk_tokens)
