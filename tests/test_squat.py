@@ -278,6 +278,11 @@ trainer = SQuaTTrainer(model=student, teacher_model=teacher, train_dataset=Token
 trainer.train()
 if int(os.environ.get("RANK", "0")) == 0:
     Path({result!r}).write_text(json.dumps(losses(trainer.state.log_history)))
+# gloo's worker threads abort the interpreter at exit ("terminate called without an active exception") when the
+# process group outlives the script
+if torch.distributed.is_initialized():
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """
 
 
