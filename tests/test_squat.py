@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -373,3 +374,10 @@ def test_bench_squat_runs_every_arm_and_pairs_squat_with_its_ablation(tmp_path):
     assert runs["W2A4/squat/seed0"]["trained"] != runs["W2A4/squat/seed1"]["trained"]
     table = (tmp_path / "squat.md").read_text()
     assert "| W2A4 | RTN |" in table and "| W2A4 | cross-entropy | 0 |" in table
+    assert "| squat (seed 1) |" in table and "| RTN | " in table
+    assert (tmp_path / "squat.png").stat().st_size > 1000
+    # continuing the table with other training settings would compare unequal runs: refused, naming the difference
+    with pytest.raises(ValueError, match="steps: 2 there, 3 now"):
+        run_squat_bench(loaded, stream[:3000], stream[3000:], settings=["W4A4"], arms=["squat"], seeds=[0],
+                        base=replace(base, steps=3), out=tmp_path, train_description="a", eval_description="b",
+                        progress=False)

@@ -19,6 +19,9 @@ from pathlib import Path
 from ..training.run import ARMS, SQuaTRunSettings, run_squat
 
 PAIRED_ARMS = ("squat", "raw-teacher-feature")
+ARM_ORDER = ("cross-entropy", "logit-kd", "raw-teacher-feature", "squat")
+# what a run's own key says; every other setting must match across the runs of one results file
+PER_RUN_SETTINGS = ("weight_bits", "activation_bits", "arm", "seed")
 
 
 def parse_setting(text: str) -> tuple[int, int | None]:
@@ -51,6 +54,7 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
     path = out / "squat.json"
     if path.is_file():  # a rerun continues where an interrupted one stopped
         results["runs"] = json.loads(path.read_text()).get("runs", {})
+        check_same_settings(results["runs"], base, path)
     for setting in settings:
         weight_bits, activation_bits = parse_setting(setting)
         for arm in arms:
@@ -70,7 +74,22 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
     results["comparisons"] = comparisons(results["runs"])
     path.write_text(json.dumps(results, indent=1))
     (out / "squat.md").write_text(squat_markdown(results))
+    if results["runs"]:
+        squat_plot(results, out / "squat.png")
     return results
+
+
+def check_same_settings(runs: dict, base: SQuaTRunSettings, path: Path) -> None:
+    """Refuse to continue a results file whose runs were trained with other steps, data or learning rates: their rows
+    would be compared as if they were equal."""
+    wanted = {name: value for name, value in vars(base).items() if name not in PER_RUN_SETTINGS}
+    for key, run in runs.items():
+        differing = {name: (run["settings"].get(name), value) for name, value in wanted.items()
+                     if run["settings"].get(name) != value}
+        if differing:
+            described = ", ".join(f"{name}: {old!r} there, {new!r} now" for name, (old, new) in differing.items())
+            raise ValueError(f"{path} holds run {key} made with other settings ({described}). Pass the same "
+                             f"settings to continue it, or another --out for a new table.")
 
 
 def comparisons(runs: dict) -> dict:
@@ -85,9 +104,63 @@ def comparisons(runs: dict) -> dict:
     return found
 
 
+def summary_rows(results: dict) -> tuple[list[str], list[tuple[str, dict]]]:
+    """The settings measured, and one row per reference or arm and seed: ``{setting: metrics}``."""
+    runs = results["runs"]
+    settings = list(dict.fromkeys(key.split("/")[0] for key in runs))
+    rows = []
+    for name, label in (("fp", "fp teacher"), ("rtn", "RTN")):
+        rows.append((label, {setting: next(run[name] for key, run in runs.items() if key.startswith(setting + "/"))
+                             for setting in settings}))
+    arm_seeds = sorted({tuple(key.split("/")[1:]) for key in runs},
+                       key=lambda pair: (ARM_ORDER.index(pair[0]) if pair[0] in ARM_ORDER else len(ARM_ORDER), pair[1]))
+    for arm, seed in arm_seeds:
+        rows.append((f"{arm} ({seed.replace('seed', 'seed ')})",
+                     {setting: runs[f"{setting}/{arm}/{seed}"]["trained"] for setting in settings
+                      if f"{setting}/{arm}/{seed}" in runs}))
+    return settings, rows
+
+
+def summary_markdown(results: dict) -> list[str]:
+    settings, rows = summary_rows(results)
+    lines = ["Perplexity (Δ % vs the fp teacher ± se, paired per window); – : not run.", "",
+             "| arm | " + " | ".join(settings) + " |", "|---|" + "---:|" * len(settings)]
+    for label, by_setting in rows:
+        cells = [f"{row['perplexity']:.2f} ({row['delta_ppl_pct']:+.1f} ± {row['delta_ppl_pct_se'] or 0:.1f})"
+                 if (row := by_setting.get(setting)) else "–" for setting in settings]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def squat_plot(results: dict, path: Path) -> None:
+    """Perplexity of every arm at every setting, on a log axis (4-bit activations cost orders of magnitude)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings, rows = summary_rows(results)
+    figure, axis = plt.subplots(figsize=(2.2 * len(settings) + 3, 4.5))
+    offset = 0.8 / len(rows)
+    for index, (label, by_setting) in enumerate(rows):
+        measured = [(number + (index - (len(rows) - 1) / 2) * offset, by_setting[setting]["perplexity"])
+                    for number, setting in enumerate(settings) if setting in by_setting]
+        axis.plot(*zip(*measured), "o", label=label)
+    axis.set_xticks(range(len(settings)), settings)
+    axis.set_yscale("log")
+    axis.set_ylabel("perplexity on held-out text (log)")
+    axis.set_title("bench squat: same data, steps and seed per arm", fontsize=10)
+    axis.grid(axis="y", which="both", alpha=0.3)
+    axis.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def squat_markdown(results: dict) -> str:
     lines = ["# bench squat", "", f"Training text: {results['train_text']}; evaluation text: {results['eval_text']}.",
-             "", "| setting | arm | seed | bits/weight (layers / all) | ppl | Δppl % ± se vs fp | KL to fp | steps | "
+             "", *summary_markdown(results), "",
+             "Every run:", "", "| setting | arm | seed | bits/weight (layers / all) | ppl | Δppl % ± se vs fp | KL to fp | steps | "
              "tokens seen | train s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     shown_reference = set()
     for key, run in results["runs"].items():
