@@ -281,8 +281,10 @@ def test_squat_cli_mirrors_the_library():
     import dataclasses
 
     from hf_kvcodecs.cli import squat
+    from hf_kvcodecs.codecs.learnable import ACTIVATION_GRANULARITIES
     from hf_kvcodecs.training.run import ARMS, SQuaTRunSettings
 
     assert tuple(sorted(ARMS)) == squat.SQUAT_ARMS
+    assert squat.ACTIVATION_GRANULARITIES == ACTIVATION_GRANULARITIES
     defaults = {field.name: field.default for field in dataclasses.fields(SQuaTRunSettings)}
     assert {name: defaults[name] for name in squat.SQUAT_RUN} == squat.SQUAT_RUN

@@ -13,7 +13,9 @@ from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT
 # checks them against the library.
 SQUAT_ARMS = ("cross-entropy", "logit-kd", "raw-teacher-feature", "squat")
 SQUAT_RUN = {"steps": 100, "sequence_tokens": 512, "batch_size": 4, "learning_rate": 1e-4,
-             "quantizer_learning_rate": 1e-5, "group_size": 64, "eval_windows": 8, "eval_tokens": 1024, "seed": 0}
+             "quantizer_learning_rate": 1e-5, "group_size": 64, "eval_windows": 8, "eval_tokens": 1024, "seed": 0,
+             "activation_granularity": "channel"}
+ACTIVATION_GRANULARITIES = ("tensor", "channel")
 
 
 def add_parser(commands) -> None:
@@ -22,6 +24,8 @@ def add_parser(commands) -> None:
     squat.add_argument("--weight-bits", type=int, default=4, help="bits per weight of the linear layers (1-8)")
     squat.add_argument("--act-bits", type=int, default=16,
                        help="bits of the linear layers' inputs (2-8; 16 keeps them in floating point)")
+    squat.add_argument("--act-granularity", choices=ACTIVATION_GRANULARITIES, default=SQUAT_RUN["activation_granularity"],
+                       help="one static activation step per layer (tensor) or per input channel (channel)")
     squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"], help="weights per scale")
     squat.add_argument("--stretched", action="store_true",
                        help="ParetoQ's stretched elastic grid (symmetric, no zero level) instead of min-max")
@@ -53,6 +57,7 @@ def run(args) -> int:
 
     settings = SQuaTRunSettings(
         weight_bits=args.weight_bits, activation_bits=None if args.act_bits == 16 else args.act_bits,
+        activation_granularity=args.act_granularity,
         group_size=args.group_size, symmetric=args.stretched, weight_init="stretched" if args.stretched else "minmax",
         arm=args.arm, steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
         learning_rate=args.lr, quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,

@@ -33,6 +33,7 @@ ARMS = {
 class SQuaTRunSettings:
     weight_bits: int = 4
     activation_bits: int | None = None
+    activation_granularity: str = "channel"
     group_size: int = 64
     symmetric: bool = False
     weight_init: str = "minmax"
@@ -124,7 +125,8 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
         parameter.requires_grad_(False)
     config = KVCodecsConfig(weight_bits=settings.weight_bits, group_size=settings.group_size, mode="fake",
                             symmetric=settings.symmetric, weight_init=settings.weight_init,
-                            activation_bits=settings.activation_bits)
+                            activation_bits=settings.activation_bits,
+                            activation_granularity=settings.activation_granularity)
     student = quantize_model(copy.deepcopy(teacher), config)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
@@ -182,7 +184,10 @@ def report_markdown(report: dict) -> str:
              f"({report['tokens_seen']:,} tokens seen), {report['train_seconds']:.0f} s of training. Bits per weight: "
              f"{report['bits_per_weight']['quantized_linear_layers']:.2f} in the quantized layers (scales "
              f"included), {report['bits_per_weight']['all_parameters']:.2f} over all parameters (embeddings and "
-             "the tied head in 16-bit).", "",
+             "the tied head in 16-bit)." + (
+                 f" Activations: static {settings['activation_bits']}-bit steps per "
+                 f"{settings.get('activation_granularity', 'tensor')} at every quantized layer's input."
+                 if settings["activation_bits"] else ""), "",
              "| model | perplexity | Δppl % ± se | KL to fp ± se |", "|---|---:|---:|---:|"]
     for name, key in (("fp teacher", "fp"), ("RTN (before training)", "rtn"), (f"{settings['arm']} (trained)", "trained")):
         row = report[key]
