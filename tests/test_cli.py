@@ -288,3 +288,9 @@ def test_squat_cli_mirrors_the_library():
     assert squat.ACTIVATION_GRANULARITIES == ACTIVATION_GRANULARITIES
     defaults = {field.name: field.default for field in dataclasses.fields(SQuaTRunSettings)}
     assert {name: defaults[name] for name in squat.SQUAT_RUN} == squat.SQUAT_RUN
+    from hf_kvcodecs.quantization.modules import WEIGHT_INITS
+
+    assert squat.WEIGHT_INITS == WEIGHT_INITS
+    assert squat.weight_grid("stretched") == {"weight_init": "stretched", "symmetric": True}
+    assert _default(("squat",), "weight_init") == defaults["weight_init"] == "minmax"
+    assert _default(("bench", "squat"), "weight_init") == "minmax"

@@ -143,6 +143,34 @@ def test_stretched_grid_has_no_zero_level():
         KVCodecsConfig(weight_bits=2, mode="fake", weight_init="stretched")
 
 
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_mse_clipped_grid_has_the_least_rounding_error_of_its_ratios(symmetric):
+    from hf_kvcodecs.quantization.rtn import mse_clipped_parameters, rtn_parameters
+
+    torch.manual_seed(0)
+    weight = torch.randn(8, 64)
+    weight[:, 5] *= 8  # one outlier per row: min-max spends its levels on it
+    linear = torch.nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    errors = {}
+    for init in ("minmax", "mse"):
+        layer = FakeQuantLinear.from_linear(linear, bits=2, group_size=32, symmetric=symmetric, weight_init=init)
+        errors[init] = (layer.quantized_weight() - weight).square().sum(dim=1).detach()
+        assert (layer.weight_offset is None) == symmetric
+    assert (errors["mse"] <= errors["minmax"] + 1e-6).all()
+    assert errors["mse"].sum() < 0.7 * errors["minmax"].sum()
+    scale, offset = mse_clipped_parameters(weight, 2, 32, symmetric)
+    full_scale, _ = rtn_parameters(weight, 2, 32, symmetric)
+    assert (scale <= full_scale * (1 + 1e-6)).all() and (scale >= 0.2 * full_scale * (1 - 1e-6)).all()
+    # a group already on its min-max grid keeps it (ratio 1 has zero error)
+    on_grid = torch.tensor([[-1.5, -0.5, 0.5, 1.5] * 8])
+    scale, offset = mse_clipped_parameters(on_grid, 2, 32, symmetric)
+    assert scale.item() == pytest.approx(1.0)
+    if not symmetric:
+        assert offset.item() == pytest.approx(-1.5)
+
+
 # ---- training -----------------------------------------------------------------------------------------------------
 
 

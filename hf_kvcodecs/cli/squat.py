@@ -16,6 +16,15 @@ SQUAT_RUN = {"steps": 100, "sequence_tokens": 512, "batch_size": 4, "learning_ra
              "quantizer_learning_rate": 1e-5, "group_size": 64, "eval_windows": 8, "eval_tokens": 1024, "seed": 0,
              "activation_granularity": "channel"}
 ACTIVATION_GRANULARITIES = ("tensor", "channel")
+# Mirror of quantization.modules.WEIGHT_INITS; "stretched" is ParetoQ's symmetric grid, the others are min-max grids.
+WEIGHT_INITS = ("minmax", "stretched", "mse")
+WEIGHT_INIT_HELP = ("how the weight grid starts: min-max round-to-nearest; ParetoQ's stretched elastic grid (symmetric, "
+                    "no zero level); or min-max clipped per group to its least squared error")
+
+
+def weight_grid(weight_init: str) -> dict:
+    """The run settings of a weight initialisation: the stretched grid is symmetric, the others are not."""
+    return {"weight_init": weight_init, "symmetric": weight_init == "stretched"}
 
 
 def add_parser(commands) -> None:
@@ -27,8 +36,9 @@ def add_parser(commands) -> None:
     squat.add_argument("--act-granularity", choices=ACTIVATION_GRANULARITIES, default=SQUAT_RUN["activation_granularity"],
                        help="one static activation step per layer (tensor) or per input channel (channel)")
     squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"], help="weights per scale")
-    squat.add_argument("--stretched", action="store_true",
-                       help="ParetoQ's stretched elastic grid (symmetric, no zero level) instead of min-max")
+    squat.add_argument("--weight-init", choices=WEIGHT_INITS, default="minmax", help=WEIGHT_INIT_HELP)
+    squat.add_argument("--stretched", dest="weight_init", action="store_const", const="stretched",
+                       help="same as --weight-init stretched")
     squat.add_argument("--arm", choices=SQUAT_ARMS, default="squat",
                        help="objective: SQuaT, or an ablation (raw-teacher-feature, logit-kd, cross-entropy)")
     squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps")
@@ -58,7 +68,7 @@ def run(args) -> int:
     settings = SQuaTRunSettings(
         weight_bits=args.weight_bits, activation_bits=None if args.act_bits == 16 else args.act_bits,
         activation_granularity=args.act_granularity,
-        group_size=args.group_size, symmetric=args.stretched, weight_init="stretched" if args.stretched else "minmax",
+        group_size=args.group_size, **weight_grid(args.weight_init),
         arm=args.arm, steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
         learning_rate=args.lr, quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
         eval_tokens=args.eval_tokens, seed=args.seed)

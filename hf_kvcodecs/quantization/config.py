@@ -48,7 +48,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
         weight_init (`str`, defaults to `"minmax"`):
             How fake-quant weight grids start: ``"minmax"`` RTN, or ``"stretched"`` (ParetoQ's stretched elastic
             grid, with ``symmetric=True``: levels at the centres of equal bins of ``[-absmax, absmax]``, at 2 bits
-            ``{-3/4, -1/4, 1/4, 3/4} * absmax``, no zero level).
+            ``{-3/4, -1/4, 1/4, 3/4} * absmax``, no zero level), or ``"mse"`` (per group, the min-max grid clipped
+            to the ratio with the least squared rounding error; symmetric or not).
         mode (`str`, defaults to `"packed"`):
             ``"packed"``: int32-packed codes plus scales, the inference format (``PackedLinear``). ``"fake"``:
             float weights quantized on the fly with a straight-through estimator and learnable scales

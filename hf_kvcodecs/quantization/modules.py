@@ -15,13 +15,14 @@ from .rtn import (
     check_bits,
     dequantize_weight,
     fake_quantize,
+    mse_clipped_parameters,
     packed_width,
     quantize_weight,
     rtn_parameters,
 )
 
 logger = logging.getLogger(__name__)
-WEIGHT_INITS = ("minmax", "stretched")
+WEIGHT_INITS = ("minmax", "stretched", "mse")
 
 
 def _input_quantizer(activation_bits, in_features, granularity, device, trainable: bool):
@@ -134,8 +135,10 @@ class FakeQuantLinear(nn.Linear):
 
     The float ``weight`` (same key and shape as ``nn.Linear``) is the trained latent weight. ``weight_scale`` and
     ``weight_offset`` (asymmetric only) are ``nn.Parameter``s ``[out_features, in_features // group_size]``
-    initialised from the weight (``weight_init``: ``"minmax"`` RTN, or ``"stretched"``, ParetoQ's stretched elastic
-    grid, symmetric only: see :func:`~hf_kvcodecs.codecs.learnable.stretched_symmetric_scale`) and trained with LSQ
+    initialised from the weight (``weight_init``: ``"minmax"`` RTN; ``"stretched"``, ParetoQ's stretched elastic
+    grid, symmetric only: see :func:`~hf_kvcodecs.codecs.learnable.stretched_symmetric_scale`; or ``"mse"``, the
+    min-max grid clipped per group to its least squared error: :func:`~hf_kvcodecs.quantization.rtn.mse_clipped_parameters`)
+    and trained with LSQ
     gradients through :func:`~hf_kvcodecs.quantization.rtn.fake_quantize`. With ``activation_bits``, the input goes
     through ``input_quantizer`` (a learnable LSQ step, :class:`~hf_kvcodecs.codecs.learnable.LSQActivationQuantizer`)
     first. Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
@@ -176,7 +179,10 @@ class FakeQuantLinear(nn.Linear):
 
     def reset_quantizer_parameters(self) -> None:
         """(Re)initialise the weight grid from the current weight (``weight_init``)."""
-        scale, offset = rtn_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
+        if self.weight_init == "mse":
+            scale, offset = mse_clipped_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
+        else:
+            scale, offset = rtn_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
         if self.weight_init == "stretched":
             groups = self.weight.detach().float().reshape(self.out_features, -1, self.group_size)
             scale = stretched_symmetric_scale(groups, self.bits)

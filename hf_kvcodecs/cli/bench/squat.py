@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._common import add_command, load_model, positive_int
 from ..defaults import CALIBRATION_TEXT, EVALUATION_TEXT
-from ..squat import ACTIVATION_GRANULARITIES, SQUAT_ARMS, SQUAT_RUN
+from ..squat import ACTIVATION_GRANULARITIES, SQUAT_ARMS, SQUAT_RUN, WEIGHT_INIT_HELP, WEIGHT_INITS, weight_grid
 
 
 def add_parser(bench) -> None:
@@ -27,6 +27,7 @@ def add_parser(bench) -> None:
     squat.add_argument("--act-granularity", choices=ACTIVATION_GRANULARITIES, default=SQUAT_RUN["activation_granularity"],
                        help="one static activation step per layer (tensor) or per input channel (channel)")
     squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"], help="weights per scale")
+    squat.add_argument("--weight-init", choices=WEIGHT_INITS, default="minmax", help=WEIGHT_INIT_HELP)
     squat.add_argument("--lr", type=float, default=SQUAT_RUN["learning_rate"], help="peak learning rate of weights")
     squat.add_argument("--quantizer-lr", type=float, default=SQUAT_RUN["quantizer_learning_rate"],
                        help="learning rate of weight scales/offsets and activation steps")
@@ -47,7 +48,8 @@ def command(args) -> int:
     evaluation = load_corpus(None, default=EVALUATION_TEXT)
     loaded = load_model(argparse.Namespace(model=args.model, threads=args.threads))
     base = SQuaTRunSettings(steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
-                            group_size=args.group_size, activation_granularity=args.act_granularity, learning_rate=args.lr,
+                            group_size=args.group_size, **weight_grid(args.weight_init),
+                            activation_granularity=args.act_granularity, learning_rate=args.lr,
                             quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
                             eval_tokens=args.eval_tokens)
     run_squat_bench(loaded, tokenize_corpus(loaded.tokenizer, train), tokenize_corpus(loaded.tokenizer, evaluation),
