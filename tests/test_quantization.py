@@ -155,13 +155,17 @@ def test_constant_group_is_exact_and_scales_overflowing_fp16_are_an_error():
 def test_fake_quant_layer_trains_its_grid_and_exports_to_the_same_function():
     torch.manual_seed(0)
     linear = nn.Linear(64, 8)
-    fake = FakeQuantLinear.from_linear(linear, bits=3, group_size=16)
+    fake = FakeQuantLinear.from_linear(linear, bits=3, group_size=16, scale_dtype=torch.float32)
     x = torch.randn(5, 64)
     fake(x).pow(2).sum().backward()
     assert fake.weight.grad.abs().sum() > 0 and fake.weight_scale.grad.abs().sum() > 0 and fake.weight_offset.grad.abs().sum() > 0
-    packed = fake.to_packed(torch.float32)
+    packed = fake.to_packed()
     with torch.no_grad():
         assert torch.allclose(packed(x), fake(x), atol=1e-5)
+        # a layer trained for float16 storage computes on the float16 grid: its export is the same function
+        half = FakeQuantLinear.from_linear(linear, bits=3, group_size=16)
+        assert half.to_packed().weight_scale.dtype == torch.float16
+        assert torch.equal(half.to_packed().dequantized_weight(), half.quantized_weight())
         # min-max initialisation: the fake-quant forward equals RTN packing of the same layer
         assert torch.allclose(PackedLinear.from_linear(linear, bits=3, group_size=16, scale_dtype=torch.float32)(x), fake(x), atol=1e-5)
 

@@ -137,7 +137,7 @@ def test_stretched_grid_has_no_zero_level():
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 4)
     layer = FakeQuantLinear.from_linear(linear, bits=2, group_size=16, symmetric=True, weight_init="stretched")
-    values = (layer.quantized_weight() / layer.weight_scale.repeat_interleave(16, dim=1)).detach()
+    values = (layer.quantized_weight() / layer.stored_grid()[0].repeat_interleave(16, dim=1)).detach()
     assert set(values.flatten().round(decimals=4).tolist()) <= {-1.5, -0.5, 0.5, 1.5}
     with pytest.raises(ValueError, match="symmetric=True"):
         KVCodecsConfig(weight_bits=2, mode="fake", weight_init="stretched")
@@ -267,8 +267,14 @@ def test_lora_on_a_quantized_student_trains_only_the_adapters(tmp_path):
     assert changed and all("lora_" in name for name in changed)
 
 
-def test_export_round_trip_in_a_fresh_process(tmp_path):
-    teacher, student = tiny_pair()
+@pytest.mark.parametrize("scales, granularity, tolerance", [
+    ("float32", "tensor", 1e-5),
+    # float16 scales round the learned grid by up to 2^-11 of a step: the logits follow it, not bit for bit
+    ("float32", "channel", 1e-5),
+    ("float16", "channel", 2e-3),
+])
+def test_export_round_trip_in_a_fresh_process(tmp_path, scales, granularity, tolerance):
+    teacher, student = tiny_pair(scale_dtype=scales, activation_granularity=granularity)
     trainer = SQuaTTrainer(model=student, teacher_model=teacher, args=arguments(tmp_path, max_steps=3),
                            train_dataset=TokenWindows())
     trainer.train()
@@ -292,7 +298,28 @@ def test_export_round_trip_in_a_fresh_process(tmp_path):
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     loaded = torch.load(tmp_path / "logits.pt")
-    assert torch.allclose(loaded, expected, atol=1e-5, rtol=1e-5)
+    assert layer_granularity(out) == granularity
+    assert torch.allclose(loaded, expected, atol=1e-5, rtol=1e-5), (loaded - expected).abs().max()
+
+
+def layer_granularity(checkpoint) -> str:
+    config = json.loads((checkpoint / "config.json").read_text())["quantization_config"]
+    return config.get("activation_granularity", "tensor")
+
+
+def test_bf16_autocast_trains_close_to_fp32(tmp_path):
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        teacher, student = tiny_pair(initialize=True)
+        trainer = SQuaTTrainer(model=student, teacher_model=teacher, train_dataset=TokenWindows(),
+                               args=arguments(tmp_path / precision, max_steps=3, bf16=precision == "bf16"))
+        trainer.train()
+        runs[precision] = losses(trainer.state.log_history)
+        # autocast computes in bf16, the trained parameters stay fp32
+        assert student.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert all(torch.isfinite(torch.tensor(run)).all() for run in runs.values())
+    assert runs["bf16"][0] == pytest.approx(runs["fp32"][0], rel=0.1)
+    assert runs["bf16"] != runs["fp32"]  # autocast was on
 
 
 TWO_PROCESS_SCRIPT = """

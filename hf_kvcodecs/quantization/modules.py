@@ -147,8 +147,11 @@ class FakeQuantLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
                  symmetric: bool = False, activation_bits: int | None = None, activation_granularity: str = "tensor",
-                 weight_init: str = "minmax", device=None, dtype=None):
+                 weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16, device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if scale_dtype not in SCALE_DTYPES.values():
+            raise ValueError(f"scale_dtype must be one of {list(SCALE_DTYPES.values())}, got {scale_dtype!r}.")
+        self.scale_dtype = scale_dtype
         if weight_init not in WEIGHT_INITS:
             raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {weight_init!r}.")
         if weight_init == "stretched" and not symmetric:
@@ -166,10 +169,11 @@ class FakeQuantLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
                     activation_bits: int | None = None, activation_granularity: str = "tensor",
-                    weight_init: str = "minmax") -> FakeQuantLinear:
+                    weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16) -> FakeQuantLinear:
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
                      symmetric=symmetric, activation_bits=activation_bits, activation_granularity=activation_granularity,
-                     weight_init=weight_init, device=linear.weight.device, dtype=linear.weight.dtype)
+                     weight_init=weight_init, scale_dtype=scale_dtype, device=linear.weight.device,
+                     dtype=linear.weight.dtype)
         with torch.no_grad():
             module.weight.copy_(linear.weight)
             if linear.bias is not None:
@@ -192,8 +196,20 @@ class FakeQuantLinear(nn.Linear):
             if self.weight_offset is not None:
                 self.weight_offset.copy_(offset)
 
+    def stored_grid(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(scale, offset)`` rounded to ``scale_dtype``, as the packed export stores them, with straight-through
+        gradients. Training on the stored grid is what makes the export exact: with quantized activations a grid
+        rounded only at export moves some layer outputs across an activation step, and the error compounds."""
+        tiny = torch.finfo(self.scale_dtype).tiny
+        scale = self.weight_scale.clamp_min(tiny)
+        scale = scale + (scale.to(self.scale_dtype).to(scale.dtype) - scale).detach()
+        offset = self.weight_offset
+        if offset is not None:
+            offset = offset + (offset.to(self.scale_dtype).to(offset.dtype) - offset).detach()
+        return scale, offset
+
     def quantized_weight(self) -> torch.Tensor:
-        return fake_quantize(self.weight, self.weight_scale, self.weight_offset, self.bits, self.group_size)
+        return fake_quantize(self.weight, *self.stored_grid(), self.bits, self.group_size)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the matmul consumes: ``x`` on the input quantizer's grid (``x`` itself without one)."""
@@ -202,8 +218,10 @@ class FakeQuantLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.quantize_input(x), self.quantized_weight().to(x.dtype), self.bias)
 
-    def to_packed(self, scale_dtype: torch.dtype = torch.float16) -> PackedLinear:
-        """Export to a ``PackedLinear`` on the learned grid (scales rounded to ``scale_dtype``)."""
+    def to_packed(self, scale_dtype: torch.dtype | None = None) -> PackedLinear:
+        """Export to a ``PackedLinear`` on the learned grid, stored in ``scale_dtype`` (default: the dtype the layer
+        trained with, which reproduces its forward pass exactly)."""
+        scale_dtype = scale_dtype or self.scale_dtype
         module = PackedLinear(self.in_features, self.out_features, self.bias is not None, bits=self.bits,
                               group_size=self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
                               activation_bits=None if self.input_quantizer is None else self.input_quantizer.bits,
@@ -211,9 +229,10 @@ class FakeQuantLinear(nn.Linear):
                               else self.input_quantizer.granularity,
                               device=self.weight.device, dtype=self.weight.dtype)
         _copy_input_quantizer(self.input_quantizer, module.input_quantizer)
+        scale, offset = self.stored_grid() if scale_dtype == self.scale_dtype else (self.weight_scale, self.weight_offset)
         module.load_quantized(quantize_weight(
             self.weight.detach(), self.bits, self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
-            scale=self.weight_scale.detach(), offset=None if self.weight_offset is None else self.weight_offset.detach(),
+            scale=scale.detach(), offset=None if offset is None else offset.detach(),
         ))
         if self.bias is not None:
             module.bias.data.copy_(self.bias.detach())
@@ -244,7 +263,8 @@ def empty_quantized_linear(linear: nn.Linear, config) -> nn.Module:
                   dtype=linear.weight.dtype, device=linear.weight.device)
     bias = linear.bias is not None
     if config.mode == "fake":
-        return FakeQuantLinear(linear.in_features, linear.out_features, bias, weight_init=config.weight_init, **common)
+        return FakeQuantLinear(linear.in_features, linear.out_features, bias, weight_init=config.weight_init,
+                               scale_dtype=SCALE_DTYPES[config.scale_dtype], **common)
     return PackedLinear(linear.in_features, linear.out_features, bias, scale_dtype=SCALE_DTYPES[config.scale_dtype], **common)
 
 
@@ -254,7 +274,8 @@ def quantized_from_linear(linear: nn.Linear, config) -> nn.Module:
         return FakeQuantLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
                                            symmetric=config.symmetric, activation_bits=config.activation_bits,
                                            activation_granularity=config.activation_granularity,
-                                           weight_init=config.weight_init)
+                                           weight_init=config.weight_init,
+                                           scale_dtype=SCALE_DTYPES[config.scale_dtype])
     if config.activation_bits is not None:
         raise ValueError("Activation quantization needs a learned step per layer: quantize with mode='fake', train "
                          "(e.g. hf_kvcodecs.training.SQuaTTrainer), then pack_fake_quantized(model).")
