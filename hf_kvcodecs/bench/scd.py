@@ -7,8 +7,8 @@ prefill, except the oracle, which is the consumer's own prefill:
 - ``raw-16``: the producer's KV in 16 bits, no fix (shows the semantic mismatch of a fine-tuned consumer);
 - ``kivi-8`` / ``kivi-4``: the producer's KV quantized KIVI-style (keys per channel over groups of tokens, values per
   token), asymmetric, one float16 scale and zero per group;
-- ``kvtc-like``: a PCA + 8-bit code of the producer's own KV (a same-model codec: the SCD code path with a knowledge
-  base fitted for producer -> producer), truncated to SCD's bytes;
+- ``kvtc-like``: a PCA + 4-bit (or 8-bit) code of the producer's own KV (a same-model codec: the SCD code path with
+  a knowledge base fitted for producer -> producer), its components truncated uniformly to SCD's bytes;
 - ``gsrq-B``: the producer's KV coded by GSRQ at B bits per element (its codebooks fitted for the producer), decoded;
 - ``droidspeak-L``: the producer's KV for layers below L plus its hidden state entering layer L; the consumer
   recomputes layers L.. itself from that hidden state;

@@ -25,6 +25,8 @@ def add_parser(bench) -> None:
                           "fine-tuning texts")
     scd.add_argument("--kvtc-windows", type=positive_int, default=8,
                      help=f"windows of {CALIBRATION_TEXT} the same-model PCA codec (kvtc-like) is fitted on")
+    scd.add_argument("--kvtc-code-bits", type=int, choices=(4, 8), default=4,
+                     help="code precision of the kvtc-like codec (SCD's knowledge bases choose 4 or 8 bits by bytes)")
     scd.add_argument("--windows", type=positive_int, default=8, help="held-out windows for the quality metrics")
     scd.add_argument("--context", type=positive_int, default=1024, help="context tokens of each quality window")
     scd.add_argument("--cost-contexts", type=positive_int, nargs="+", default=[1024, 4096, 8192],
@@ -58,7 +60,8 @@ def command(args) -> int:
     consumer = load_model(argparse.Namespace(model=args.consumer, threads=args.threads))
     calibration = tokenize_corpus(producer.tokenizer, load_corpus(None, default=CALIBRATION_TEXT))
     kvtc_kb = full_rank_knowledge_base(producer.model, producer.model, calibration, window_tokens=512,
-                                       windows=args.kvtc_windows, code_bits=8, tokenizer=producer.tokenizer)
+                                       windows=args.kvtc_windows, code_bits=args.kvtc_code_bits,
+                                       tokenizer=producer.tokenizer)
     # rebuilt by every run from the calibration text; saved only to get the id its payloads name
     kvtc_kb.save(Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kvtc_like_")))
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
