@@ -267,13 +267,8 @@ def test_lora_on_a_quantized_student_trains_only_the_adapters(tmp_path):
     assert changed and all("lora_" in name for name in changed)
 
 
-@pytest.mark.parametrize("scales, granularity, tolerance", [
-    ("float32", "tensor", 1e-5),
-    # float16 scales round the learned grid by up to 2^-11 of a step: the logits follow it, not bit for bit
-    ("float32", "channel", 1e-5),
-    ("float16", "channel", 2e-3),
-])
-def test_export_round_trip_in_a_fresh_process(tmp_path, scales, granularity, tolerance):
+@pytest.mark.parametrize("scales, granularity", [("float32", "tensor"), ("float32", "channel"), ("float16", "channel")])
+def test_export_round_trip_in_a_fresh_process(tmp_path, scales, granularity, fake_hub):
     teacher, student = tiny_pair(scale_dtype=scales, activation_granularity=granularity)
     trainer = SQuaTTrainer(model=student, teacher_model=teacher, args=arguments(tmp_path, max_steps=3),
                            train_dataset=TokenWindows())
@@ -282,7 +277,11 @@ def test_export_round_trip_in_a_fresh_process(tmp_path, scales, granularity, tol
     student.eval()
     with torch.no_grad():
         expected = student(input_ids=ids).logits
-    out = trainer.export(tmp_path / "packed", card="# tiny SQuaT student\n")
+    out = trainer.export(tmp_path / "packed", card="# tiny SQuaT student\n", push_to_hub="someone/tiny-squat")
+    (kwargs, uploaded), = fake_hub["upload_folder"]
+    assert kwargs["repo_id"] == "someone/tiny-squat" and uploaded["README.md"].startswith(b"# tiny SQuaT")
+    assert json.loads(uploaded["config.json"])["quantization_config"]["format_version"] == 2
+    assert uploaded["model.safetensors"] == (out / "model.safetensors").read_bytes()
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["mode"] == "packed" and config["activation_bits"] == 4 and config["format_version"] == 2
     assert (out / "README.md").read_text().startswith("# tiny SQuaT")
