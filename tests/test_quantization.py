@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 import hf_kvcodecs
 from hf_kvcodecs import GSRQCache
+from hf_kvcodecs.codecs.weight_quantization import packed_width
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.quantization import (
     KV_CODEBOOKS_FOLDER,
@@ -35,7 +36,6 @@ from hf_kvcodecs.quantization import (
     unpack_codes,
 )
 from hf_kvcodecs.quantization.quantizer import resolve_codebooks_dir
-from hf_kvcodecs.quantization.rtn import packed_width
 
 from .conftest import tiny_llama_config
 

@@ -145,7 +145,7 @@ def test_stretched_grid_has_no_zero_level():
 
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_mse_clipped_grid_has_the_least_rounding_error_of_its_ratios(symmetric):
-    from hf_kvcodecs.quantization.rtn import mse_clipped_parameters, rtn_parameters
+    from hf_kvcodecs.codecs.weight_quantization import mse_clipped_parameters, rtn_parameters
 
     torch.manual_seed(0)
     weight = torch.randn(8, 64)

@@ -3,6 +3,7 @@
 ``quant_method="hf_kvcodecs"`` is registered with transformers when ``hf_kvcodecs`` is imported.
 """
 
+from ..codecs.weight_quantization import dequantize_weight, fake_quantize, pack_codes, quantize_weight, unpack_codes
 from .config import FORMAT_VERSION, KV_CODEBOOKS_FOLDER, QUANT_METHOD, KVCodecsConfig
 from .modules import FakeQuantLinear, PackedLinear, dequantized_weight_cache
 from .quantizer import (
@@ -13,7 +14,6 @@ from .quantizer import (
     quantized_modules,
     register,
 )
-from .rtn import dequantize_weight, fake_quantize, pack_codes, quantize_weight, unpack_codes
 
 __all__ = [
     "FORMAT_VERSION",

@@ -8,9 +8,9 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..codecs.learnable import ACTIVATION_GRANULARITIES, check_activation_bits
+from ..codecs.weight_quantization import SCALE_DTYPES, check_bits
 from .kv_artifacts import GSRQ_CODEBOOKS, KV_ARTIFACTS, kv_artifact
 from .modules import WEIGHT_INITS
-from .rtn import SCALE_DTYPES, check_bits
 
 QUANT_METHOD = "hf_kvcodecs"
 # Bumped whenever a checkpoint written by this version cannot be read correctly by an older hf_kvcodecs. A

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..codecs.learnable import LSQActivationQuantizer, stretched_symmetric_scale
-from .rtn import (
+from ..codecs.weight_quantization import (
     SCALE_DTYPES,
     check_bits,
     dequantize_weight,
@@ -41,7 +41,7 @@ def _copy_input_quantizer(source, target) -> None:
 
 
 class PackedLinear(nn.Module):
-    """A linear layer whose weight is stored as packed low-bit codes (see :mod:`hf_kvcodecs.quantization.rtn`).
+    """A linear layer whose weight is stored as packed low-bit codes (see :mod:`hf_kvcodecs.codecs.weight_quantization`).
 
     State dict: ``weight`` (int32 packed codes, never the float shape), ``weight_scale``, ``weight_offset`` (only
     when asymmetric) and ``bias``; with ``activation_bits``, also ``input_quantizer.step`` and
@@ -137,9 +137,9 @@ class FakeQuantLinear(nn.Linear):
     ``weight_offset`` (asymmetric only) are ``nn.Parameter``s ``[out_features, in_features // group_size]``
     initialised from the weight (``weight_init``: ``"minmax"`` RTN; ``"stretched"``, ParetoQ's stretched elastic
     grid, symmetric only: see :func:`~hf_kvcodecs.codecs.learnable.stretched_symmetric_scale`; or ``"mse"``, the
-    min-max grid clipped per group to its least squared error: :func:`~hf_kvcodecs.quantization.rtn.mse_clipped_parameters`)
+    min-max grid clipped per group to its least squared error: :func:`~hf_kvcodecs.codecs.weight_quantization.mse_clipped_parameters`)
     and trained with LSQ
-    gradients through :func:`~hf_kvcodecs.quantization.rtn.fake_quantize`. With ``activation_bits``, the input goes
+    gradients through :func:`~hf_kvcodecs.codecs.weight_quantization.fake_quantize`. With ``activation_bits``, the input goes
     through ``input_quantizer`` (a learnable LSQ step, :class:`~hf_kvcodecs.codecs.learnable.LSQActivationQuantizer`)
     first. Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
     trained layer to a :class:`PackedLinear` on the learned grids.

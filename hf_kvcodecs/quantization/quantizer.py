@@ -29,6 +29,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
+from ..codecs.weight_quantization import SCALE_DTYPES, quantize_weight, rtn_parameters
 from ..gsrq.codebooks import GSRQCodebooks
 from ..hub import looks_like_repo_id
 from ..integrations.loading import (
@@ -47,7 +48,6 @@ from .modules import (
     linear_layers_to_convert,
     quantized_from_linear,
 )
-from .rtn import SCALE_DTYPES, quantize_weight, rtn_parameters
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,6 @@
-"""Round-to-nearest (RTN) weight quantization with real bit packing: pure tensor math, no transformers import.
+"""Weight quantization on per-group grids: round-to-nearest (RTN), MSE-clipped grids, real bit packing and the
+straight-through fake quantization that quantization-aware training learns the grids with. Pure tensor math, no
+transformers import, in the codec layer so that any method can use it.
 
 Layout of a quantized ``[out_features, in_features]`` weight with ``bits`` bits and groups of ``group_size`` inputs:
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs.learnable import scale_gradient
+from .learnable import scale_gradient
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
