@@ -429,6 +429,7 @@ def test_bench_squat_runs_every_arm_and_pairs_squat_with_its_ablation(tmp_path):
     table = (tmp_path / "squat.md").read_text()
     assert "| W2A4 | RTN |" in table and "| W2A4 | cross-entropy | 0 |" in table
     assert "| squat (seed 1) |" in table and "| RTN | " in table
+    assert "Training: 2 steps x 2 x 32 tokens" in table and "groups of 16, minmax start; channel activation" in table
     assert (tmp_path / "squat.png").stat().st_size > 1000
     # continuing the table with other training settings would compare unequal runs: refused, naming the difference
     with pytest.raises(ValueError, match="steps: 2 there, 3 now"):

@@ -158,7 +158,13 @@ def squat_plot(results: dict, path: Path) -> None:
 
 
 def squat_markdown(results: dict) -> str:
+    base = results["base_settings"]
+    grid = base.get("weight_init", "minmax") + (", symmetric" if base.get("symmetric") else "")
     lines = ["# bench squat", "", f"Training text: {results['train_text']}; evaluation text: {results['eval_text']}.",
+             "", f"Training: {base['steps']} steps x {base['batch_size']} x {base['sequence_tokens']} tokens, weight "
+             f"learning rate {base['learning_rate']:g}, quantizer learning rate {base['quantizer_learning_rate']:g}; "
+             f"weight groups of {base['group_size']}, {grid} start; {base.get('activation_granularity', 'tensor')} "
+             f"activation steps; {base['eval_windows']} evaluation windows of {base['eval_tokens']} tokens.",
              "", *summary_markdown(results), "",
              "Every run:", "", "| setting | arm | seed | bits/weight (layers / all) | ppl | Δppl % ± se vs fp | KL to fp | steps | "
              "tokens seen | train s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
