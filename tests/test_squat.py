@@ -341,6 +341,15 @@ if torch.distributed.is_initialized():
 """
 
 
+def free_port() -> int:
+    """A port no process listens on now (a fixed one may be taken on a shared machine)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_two_processes_over_gloo_match_one(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     results = {}
@@ -350,8 +359,10 @@ def test_two_processes_over_gloo_match_one(tmp_path):
         script.write_text(TWO_PROCESS_SCRIPT.format(root=root, out=str(tmp_path / f"o{processes}"), batch=batch,
                                                     result=str(result)))
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-                   "--master_port", str(29500 + processes), str(script)]
-        subprocess.run(command, check=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root)
+                   "--master_port", str(free_port()), str(script)]
+        run = subprocess.run(command, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root,
+                             capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr[-3000:]
         results[processes] = json.loads(result.read_text())[0]
     assert results[2] == pytest.approx(results[1], rel=1e-5)
 
