@@ -137,9 +137,10 @@ class FakeQuantLinear(nn.Linear):
     ``weight_offset`` (asymmetric only) are ``nn.Parameter``s ``[out_features, in_features // group_size]``
     initialised from the weight (``weight_init``: ``"minmax"`` RTN; ``"stretched"``, ParetoQ's stretched elastic
     grid, symmetric only: see :func:`~hf_kvcodecs.codecs.learnable.stretched_symmetric_scale`; or ``"mse"``, the
-    min-max grid clipped per group to its least squared error: :func:`~hf_kvcodecs.codecs.weight_quantization.mse_clipped_parameters`)
-    and trained with LSQ
-    gradients through :func:`~hf_kvcodecs.codecs.weight_quantization.fake_quantize`. With ``activation_bits``, the input goes
+    min-max grid clipped per group to its least squared error, see
+    :func:`~hf_kvcodecs.codecs.weight_quantization.mse_clipped_parameters`) and trained with LSQ gradients through
+    :func:`~hf_kvcodecs.codecs.weight_quantization.fake_quantize` on the grid rounded to ``scale_dtype``, the one the
+    export stores (:meth:`stored_grid`). With ``activation_bits``, the input goes
     through ``input_quantizer`` (a learnable LSQ step, :class:`~hf_kvcodecs.codecs.learnable.LSQActivationQuantizer`)
     first. Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
     trained layer to a :class:`PackedLinear` on the learned grids.
