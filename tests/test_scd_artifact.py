@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_kvcodecs.quantization import KVCodecsConfig, quantize_model
 from hf_kvcodecs.quantization.hub import check_saved_model
-from hf_kvcodecs.quantization.kv_artifacts import SCD_KNOWLEDGE_BASE
 from hf_kvcodecs.quantization.quantizer import resolve_artifact_dir
 from hf_kvcodecs.scd import (
     KnowledgeBaseError,
@@ -28,6 +27,7 @@ from hf_kvcodecs.scd import (
     encode,
     full_rank_knowledge_base,
 )
+from hf_kvcodecs.scd.artifact import SCD_KNOWLEDGE_BASE
 from hf_kvcodecs.scd.hub import SAVED_MODEL_FOLDER, download_knowledge_base
 from hf_kvcodecs.scd.knowledge_base import METADATA_FILE, TENSORS_FILE
 

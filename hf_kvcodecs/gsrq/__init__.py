@@ -4,8 +4,12 @@ Owns the cache config, the codec layouts, the codebooks and their file format (l
 :class:`GSRQCache` (``cache_implementation="gsrq"``) and the glue from its layers to the code-reading attention ops.
 """
 
+from ..integrations.kv_artifacts import register_kv_artifact
+from .artifact import GSRQ_CODEBOOKS
 from .cache import GSRQCache, GSRQLayer, load_codebooks
 from .calibrate import GSRQFitSettings, calibrate_gsrq, fit_gsrq_codebooks
 from .codebooks import GSRQCodebooks
+
+register_kv_artifact(GSRQ_CODEBOOKS)  # checkpoints carry it: save_pretrained writes it, from_pretrained loads it
 
 __all__ = ["GSRQCache", "GSRQCodebooks", "GSRQFitSettings", "GSRQLayer", "calibrate_gsrq", "fit_gsrq_codebooks", "load_codebooks"]
