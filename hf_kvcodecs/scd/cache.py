@@ -1,8 +1,10 @@
 """The consumer's side: ``SCDTransferCache``, a transformers ``DynamicCache`` rebuilt from an SCD payload.
 
-Reuse layers are decoded from their codes, Patch layers are projected from the predicted normalized input with the
-consumer's own ``k_proj`` / ``v_proj`` (LoRA included), keys get RoPE at the consumer's positions, and the first
-few tokens (attention sinks) are computed by the consumer itself. The result is an ordinary ``DynamicCache``, so
+Reuse layers are decoded from their codes; at a recompute Patch layer the consumer predicts its own residual stream
+from the code and the per-token RMS and runs its own decoder layers of that block over the prompt (LoRA included),
+which write their keys and values; a projection-only Patch layer (an ablation) projects the predicted normalized
+input with that layer's ``k_proj`` / ``v_proj``. Keys get RoPE at the consumer's positions, and the first few tokens
+(attention sinks) are computed by the consumer itself. The result is an ordinary ``DynamicCache``, so
 ``generate()`` continues from it exactly as from its own prefill: greedy, sampling, beam search, padded batches.
 
 Every check a payload must pass comes before any state is built, and each refusal names what differs.
@@ -18,13 +20,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..rope import find_rotary_parameters
-from .coding import consumer_angles, rebuild_layer
-from .encode import CODEC_ID, CODEC_VERSION, PairMismatchError, check_left_padded
+from .coding import consumer_angles, predict_residual, rebuild_layer, rms_dtype
+from .encode import CODEC_ID, CODEC_VERSION, READABLE_CODEC_VERSIONS, PairMismatchError, check_left_padded
 from .knowledge_base import CODE_BITS, LayerPlan, SCDKnowledgeBase, _read_plan
 from .model_access import (
     decoder_layers,
     model_identity,
     positions_from_mask,
+    run_decoder_block,
     shapes,
     text_config,
     token_ids_sha256,
@@ -79,7 +82,7 @@ def _check_manifest(manifest: dict, sections: dict[str, torch.Tensor], kb: SCDKn
     _expect(manifest.get("codec") == CODEC_ID, f"This payload's codec is {manifest.get('codec')!r}, not SCD's "
             f"{CODEC_ID!r}.")
     version = manifest.get("codec_version")
-    _expect(type(version) is int and version == CODEC_VERSION,
+    _expect(type(version) is int and version in READABLE_CODEC_VERSIONS,
             f"SCD codec version {version!r} is not supported (this hf_kvcodecs reads {CODEC_VERSION}); upgrade "
             "hf_kvcodecs on the consumer or re-encode on the producer.")
     if manifest.get("knowledge_base") != kb.save_id:
@@ -113,10 +116,13 @@ def _check_manifest(manifest: dict, sections: dict[str, torch.Tensor], kb: SCDKn
         "input.exact_token_ids": ((batch, exact), torch.int64),
     }
     for carried, fitted in zip(plan, kb.plan):
-        _expect(carried.index == fitted.index and carried.kind == fitted.kind,
-                f"Layer {carried.index} is {carried.kind!r} in the payload but {fitted.kind!r} in the knowledge base.")
-        unused = (carried.patch_rank,) if carried.kind == "reuse" else (carried.key_rank, carried.value_rank)
-        _expect(not any(unused), f"Layer {carried.index} is a {carried.kind} layer but names ranks of the other kind.")
+        _expect(carried.index == fitted.index, f"The payload's layer table lists layer {carried.index} where the "
+                f"knowledge base has layer {fitted.index}.")
+        _expect((carried.kind, carried.patch_mode, carried.depth) == (fitted.kind, fitted.patch_mode, fitted.depth),
+                f"Layer {carried.index} is {_describe(carried)} in the payload but {_describe(fitted)} in the "
+                "knowledge base.")
+        if carried.kind == "recomputed":
+            continue
         ranks = ((carried.key_rank, fitted.key_rank, "key"), (carried.value_rank, fitted.value_rank, "value")) \
             if carried.kind == "reuse" else ((carried.patch_rank, fitted.patch_rank, "patch"),)
         for rank, limit, name in ranks:
@@ -129,6 +135,8 @@ def _check_manifest(manifest: dict, sections: dict[str, torch.Tensor], kb: SCDKn
             expected[f"layers.{carried.index}.{name}_codes"] = ((batch, coded, width), code_dtype)
             if bits < 16:
                 expected[f"layers.{carried.index}.{name}_scales"] = ((batch, coded), torch.float16)
+        if carried.recomputes and coded:
+            expected[f"layers.{carried.index}.patch_rms"] = ((batch, coded), rms_dtype(bits))
     unexpected = sorted(set(sections) - set(expected))
     missing = sorted(set(expected) - set(sections))
     _expect(not missing and not unexpected, f"The payload's sections do not match its manifest (missing: "
@@ -148,11 +156,17 @@ def _check_manifest(manifest: dict, sections: dict[str, torch.Tensor], kb: SCDKn
     return plan
 
 
+def _describe(layer: LayerPlan) -> str:
+    if layer.kind != "patch":
+        return repr(layer.kind)
+    return f"a {layer.patch_mode} Patch layer of depth {layer.depth}"
+
+
 @torch.inference_mode()
 def rebuild_into(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, plan: list[LayerPlan],
                  sections: dict[str, torch.Tensor], code_bits: int) -> dict[str, float]:
     """Fill an empty ``cache`` with the consumer's states for the prompt ``sections`` describe; the seconds spent
-    on the exact tokens, the Reuse layers and the Patch layers."""
+    on the exact tokens, the Reuse layers, the projection-only Patch layers and the recompute Patch blocks."""
     started = time.perf_counter()
     mask = sections["input.attention_mask"].long()
     exact_ids = sections["input.exact_token_ids"]
@@ -166,12 +180,18 @@ def rebuild_into(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, plan: list
         consumer(input_ids=exact_ids.to(device), attention_mask=exact_mask.to(device),
                  position_ids=positions_from_mask(exact_mask).to(device), cache=exact_cache, use_cache=True,
                  logits_to_keep=1)
-    seconds = {"exact": time.perf_counter() - started, "reuse": 0.0, "patch": 0.0}
+    seconds = {"exact": time.perf_counter() - started, "reuse": 0.0, "patch": 0.0, "recompute": 0.0}
     inv_freq, scaling = find_rotary_parameters(unwrapped(consumer))
     positions = positions_from_mask(mask)[:, exact:]
     cos, sin = (angle.to(device) for angle in consumer_angles(inv_freq, scaling, positions))
     for layer_plan, layer in zip(plan, decoder_layers(consumer)):
         layer_started = time.perf_counter()
+        if layer_plan.kind == "recomputed" and positions.shape[1]:
+            continue  # written by its block
+        if layer_plan.recomputes and positions.shape[1]:
+            _recompute_block(cache, consumer, kb, layer_plan, sections, code_bits, exact_cache, mask, positions)
+            seconds["recompute"] += time.perf_counter() - layer_started
+            continue
         if positions.shape[1]:
             layer_sections = {name: tensor.to(device) for name, tensor in sections.items()
                               if name.startswith(f"layers.{layer_plan.index}.")}
@@ -183,8 +203,27 @@ def rebuild_into(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, plan: list
         else:
             keys, values = exact_cache.layers[layer_plan.index].keys, exact_cache.layers[layer_plan.index].values
         cache.update(keys, values, layer_plan.index)
-        seconds[layer_plan.kind] += time.perf_counter() - layer_started
+        seconds["reuse" if layer_plan.kind == "reuse" else "patch"] += time.perf_counter() - layer_started
     return seconds
+
+
+def _recompute_block(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, layer_plan: LayerPlan,
+                     sections: dict[str, torch.Tensor], code_bits: int, exact_cache: DynamicCache,
+                     mask: torch.Tensor, positions: torch.Tensor) -> None:
+    """Run the consumer's layers of one recompute Patch block from the predicted residual stream; each layer attends
+    to the exact tokens' own states and to the coded tokens' recomputed ones."""
+    first, depth = layer_plan.index, layer_plan.depth
+    block_cache = DynamicCache(config=text_config(consumer))
+    for index, exact_layer in enumerate(exact_cache.layers):
+        if getattr(exact_layer, "keys", None) is not None and exact_layer.keys.numel():
+            block_cache.update(exact_layer.keys, exact_layer.values, index)
+    device = next(unwrapped(consumer).parameters()).device
+    layer_sections = {name: tensor.to(device) for name, tensor in sections.items()
+                      if name.startswith(f"layers.{first}.")}
+    residual = predict_residual(layer_plan, kb, layer_sections, code_bits)
+    run_decoder_block(consumer, residual, mask, positions, block_cache, first, depth)
+    for index in range(first, first + depth):
+        cache.update(block_cache.layers[index].keys, block_cache.layers[index].values, index)
 
 
 class SCDTransferCache(DynamicCache):
@@ -237,8 +276,10 @@ class SCDTransferCache(DynamicCache):
             "bytes_per_token": len(payload) / max(int(mask.numel()), 1),
             "unpack_seconds": unpacked - started, "exact_seconds": seconds["exact"],
             "reuse_seconds": seconds["reuse"], "patch_seconds": seconds["patch"],
+            "recompute_seconds": seconds["recompute"],
             "total_seconds": time.perf_counter() - started, "exact_columns": manifest["exact_columns"],
             "patch_layers": [layer.index for layer in plan if layer.kind == "patch"],
+            "recompute_blocks": [[layer.index, layer.depth] for layer in plan if layer.recomputes],
         }
         cache.prompt_attention_mask = mask
         if expand != 1:

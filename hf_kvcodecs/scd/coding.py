@@ -3,7 +3,8 @@ values from those codes. Fitting measures its quality budget through these same 
 what a payload carries.
 
 Section names per layer ``l``: ``layers.l.key_codes`` / ``.key_scales`` / ``.value_codes`` / ``.value_scales`` for
-Reuse, ``layers.l.patch_codes`` / ``.patch_scales`` for Patch. Codes are int8 (8 bits), two per byte in uint8
+Reuse, ``layers.l.patch_codes`` / ``.patch_scales`` for Patch, and ``layers.l.patch_rms`` (float16, one per token)
+for a recompute Patch, whose codes are of the residual stream's direction ``h / rms(h)``. Codes are int8 (8 bits), two per byte in uint8
 (4 bits), float16 (16 bits) or float32 (32 bits, lossless); 16- and 32-bit codes send no scales; scales are one float16 per token.
 """
 
@@ -14,7 +15,7 @@ import torch
 from ..codecs.lowrank import dequantize_codes, pack_int4, quantize_codes, unpack_int4
 from ..rope import apply_rope, rotary_cos_sin
 from .knowledge_base import LayerPlan, SCDKnowledgeBase
-from .model_access import LayerCapture
+from .model_access import LayerCapture, residual_direction
 
 
 def _code(codes: torch.Tensor, bits: int, name: str) -> dict[str, torch.Tensor]:
@@ -44,10 +45,34 @@ def encode_layer(capture: LayerCapture, plan: LayerPlan, kb: SCDKnowledgeBase, s
         keys = kb.keys[plan.index].truncated(plan.key_rank).encode(capture.keys[:, start:].float())
         values = kb.values[plan.index].truncated(plan.value_rank).encode(capture.values[:, start:].float())
         return {**_code(keys, bits, f"{prefix}.key"), **_code(values, bits, f"{prefix}.value")}
+    if plan.kind == "recomputed":
+        return {}
+    if plan.recomputes:
+        if capture.residual is None:
+            raise ValueError(f"Layer {plan.index} is a recompute Patch layer but its residual stream was not captured.")
+        direction, rms = residual_direction(capture.residual[:, start:])
+        codes = kb.residuals[plan.index].truncated(plan.patch_rank).encode(direction)
+        return {**_code(codes, bits, f"{prefix}.patch"), f"{prefix}.patch_rms": rms.to(rms_dtype(bits))}
     if capture.inputs is None:
         raise ValueError(f"Layer {plan.index} is a Patch layer but its normalized input was not captured.")
     inputs = kb.inputs[plan.index].truncated(plan.patch_rank).encode(capture.inputs[:, start:].float())
     return _code(inputs, bits, f"{prefix}.patch")
+
+
+def rms_dtype(bits: int) -> torch.dtype:
+    """float16 RMS beside quantized or float16 codes; float32 beside lossless float32 codes."""
+    return torch.float32 if bits == 32 else torch.float16
+
+
+def predict_residual(plan: LayerPlan, kb: SCDKnowledgeBase, sections: dict[str, torch.Tensor], bits: int,
+                     ) -> torch.Tensor:
+    """The consumer's residual stream ``[B, T, d]`` entering a recompute Patch layer, predicted from its sections:
+    the decoded direction rescaled to unit RMS (the producer's direction has unit RMS; a low-rank prediction of the
+    consumer's is shrunk towards the mean) times the producer's per-token RMS."""
+    prefix = f"layers.{plan.index}"
+    direction = kb.residuals[plan.index].decode(_uncode(sections, f"{prefix}.patch", bits, plan.patch_rank))
+    direction = direction / direction.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+    return direction * sections[f"{prefix}.patch_rms"].float()[..., None]
 
 
 @torch.no_grad()

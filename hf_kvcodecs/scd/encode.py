@@ -15,12 +15,13 @@ import torch
 
 from ..codecs.lowrank import pack_int4, unpack_int4
 from .coding import encode_layer
-from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase
+from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase, _read_plan
 from .model_access import LayerCapture, model_identity, prefill_with_taps, shapes, token_ids_sha256, tokenizer_sha256
 from .payload import iter_payload_chunks, pack_payload, unpack_payload
 
 CODEC_ID = "hf_kvcodecs.scd.reuse_patch"
-CODEC_VERSION = 1
+CODEC_VERSION = 2
+READABLE_CODEC_VERSIONS = (1, 2)  # version 1 carried projection-only Patch layers only
 
 
 class PairMismatchError(ValueError):
@@ -112,7 +113,8 @@ def encode_sections(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, *,
             layer_sections[capture.index] = {name: tensor.cpu() for name, tensor in
                                              encode_layer(capture, plan[capture.index], kb, start, bits).items()}
 
-    prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.patch_layers))
+    prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.input_layers),
+                      residuals_of=set(kb.residual_layers))
     for index in range(kb.num_layers):
         sections.update(layer_sections.get(index, {}))
     manifest = {
@@ -162,8 +164,8 @@ def truncate_payload_plan(plan: list[LayerPlan], fraction: float) -> list[LayerP
     def keep(rank: int) -> int:
         return 0 if rank == 0 else max(1, round(rank * fraction))
 
-    return [LayerPlan(layer.index, layer.kind, keep(layer.key_rank), keep(layer.value_rank), keep(layer.patch_rank))
-            for layer in plan]
+    return [LayerPlan(layer.index, layer.kind, keep(layer.key_rank), keep(layer.value_rank), keep(layer.patch_rank),
+                      layer.patch_mode, layer.depth) for layer in plan]
 
 
 def truncate_payload(payload: bytes, fraction: float) -> bytes:
@@ -173,7 +175,7 @@ def truncate_payload(payload: bytes, fraction: float) -> bytes:
     manifest, sections = unpack_payload(payload)
     manifest.pop("sections")
     bits = manifest["code_bits"]
-    old_plan = [LayerPlan(**layer) for layer in manifest["layers"]]
+    old_plan = _read_plan(manifest["layers"])
     new_plan = truncate_payload_plan(old_plan, fraction)
     for old, new in zip(old_plan, new_plan):
         names = (("key", old.key_rank, new.key_rank), ("value", old.value_rank, new.value_rank)) \

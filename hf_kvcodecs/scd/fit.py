@@ -9,8 +9,11 @@
    from the moments.
 3. The loss constraint. The budget is the mean KL divergence from the oracle (the consumer's own prefill) to the
    consumer decoding through the rebuilt cache, per continuation token of held-out calibration prompts that the
-   statistics never saw. Patch layers are added greedily where they lower that KL most, then one knob sets every
-   layer's rank (the smallest rank whose excess relative error over the full-rank map is at most ``tau``) and is
+   statistics never saw. Patch layers are added greedily where they lower that KL most: in ``recompute`` mode a
+   candidate is a transition layer with a recompute depth (the consumer runs that many of its own layers from the
+   predicted residual stream; the depths are capped in total by ``max_recompute_layers``, the consumer's compute),
+   in ``project`` mode (the ablation) a layer whose KV is projected from the predicted normalized input. Then one
+   knob sets every layer's rank (the smallest rank whose excess relative error over the full-rank map is at most ``tau``) and is
    bisected for the largest ``tau`` (fewest bytes) within the budget, for each code precision; the cheapest
    feasible plan wins.
 """
@@ -32,12 +35,24 @@ from ..text import Corpus
 from .cache import rebuild_into
 from .coding import encode_layer
 from .encode import exact_columns
-from .knowledge_base import CODE_BITS, LayerPlan, SCDKnowledgeBase
+from .knowledge_base import (
+    CODE_BITS,
+    PATCH_MODES,
+    LayerPlan,
+    SCDKnowledgeBase,
+    patch_plan,
+    plan_bytes_per_token,
+    plan_problems,
+    recomputed_layer_count,
+    reuse_plan,
+)
 from .model_access import (
     LayerCapture,
     model_identity,
     positions_from_mask,
     prefill_with_taps,
+    residual_direction,
+    run_decoder_block,
     shapes,
     tokenizer_sha256,
     unwrapped,
@@ -59,8 +74,12 @@ class SCDFitSettings:
     encoder: str = "pca"  # "pca": consumer-agnostic progressive codes; "reduced_rank": consumer-specific codes
     code_bits: tuple[int, ...] = (8, 4)  # precisions tried; the cheapest plan within the budget wins
     max_patch_layers: int = 4
+    patch_mode: str = "recompute"  # "recompute": SCD's Patch; "project": the projection-only ablation
+    recompute_depths: tuple[int, ...] = (1, 4, 8, 32)  # candidate depths, each clipped to the layers left
+    max_recompute_layers: int = 16  # consumer layers recomputed over the prompt, all blocks together
     patch_layers: tuple[int, ...] | None = None  # given: these transition layers, no greedy search (for ablations)
-    patch_candidates: int = 8  # layers measured as Patch candidates in each greedy round
+    patch_depths: tuple[int, ...] | None = None  # with patch_layers in recompute mode: each one's depth (default 1)
+    patch_candidates: int = 6  # layers measured as Patch candidates in each greedy round
     patch_gain: float = 0.05  # a Patch layer must lower the KL by this fraction to be kept
     ridge: float = 1e-4
     tau_range: tuple[float, float] = (1e-4, 0.5)
@@ -73,6 +92,15 @@ class SCDFitSettings:
             raise ValueError(f"code_bits must be a non-empty choice among {CODE_BITS}, got {self.code_bits}.")
         if self.budget_kl <= 0:
             raise ValueError("budget_kl must be positive.")
+        if self.patch_mode not in PATCH_MODES:
+            raise ValueError(f"patch_mode must be one of {PATCH_MODES}, got {self.patch_mode!r}.")
+        if not self.recompute_depths or any(type(d) is not int or d < 1 for d in self.recompute_depths):
+            raise ValueError(f"recompute_depths must be positive integers, got {self.recompute_depths}.")
+        if self.patch_depths is not None:
+            if self.patch_layers is None or len(self.patch_depths) != len(self.patch_layers):
+                raise ValueError("patch_depths gives one depth per layer of patch_layers; pass both, of equal length.")
+            if self.patch_mode != "recompute" or any(type(d) is not int or d < 1 for d in self.patch_depths):
+                raise ValueError("patch_depths are positive depths of recompute Patch blocks (patch_mode='recompute').")
         if self.window_tokens <= self.exact_tokens + 1 or self.holdout_context <= self.exact_tokens:
             raise ValueError("Windows and held-out contexts must be longer than the exact tokens.")
 
@@ -81,40 +109,49 @@ class SCDFitSettings:
 class PairMoments:
     keys: list[CrossMoments]
     values: list[CrossMoments]
-    inputs: list[CrossMoments]
+    inputs: list[CrossMoments]  # normalized inputs (projection-only Patch); empty when not asked for
+    residuals: list[CrossMoments] = field(default_factory=list)  # residual directions (recompute Patch)
     tokens: int = 0
 
 
 def accumulate_pair_moments(producer, consumer, windows: list[torch.Tensor], *, skip_first: int,
-                            progress: bool = True) -> PairMoments:
+                            progress: bool = True, patch_mode: str = "recompute") -> PairMoments:
     """Paired moments per layer over ``windows`` (each a 1-D token tensor): the producer's states as inputs, the
-    consumer's for the same tokens as targets. Holds one window's producer states at a time."""
+    consumer's for the same tokens as targets. Holds one window's producer states at a time. ``patch_mode`` says
+    which Patch states are paired: residual-stream directions (``recompute``) or normalized inputs (``project``)."""
     model_shapes = shapes(producer)
     if shapes(consumer) != model_shapes:
         raise ValueError(f"The producer has shapes {shapes(producer)} and the consumer {shapes(consumer)}; SCD pairs "
                          "models of one architecture (a base model and its fine-tunes).")
     width, hidden = model_shapes.kv_width, model_shapes.hidden
+    recompute = patch_mode == "recompute"
+    patch_moments = [CrossMoments(hidden, hidden) for _ in range(model_shapes.layers)]
     moments = PairMoments([CrossMoments(width, width) for _ in range(model_shapes.layers)],
                           [CrossMoments(width, width) for _ in range(model_shapes.layers)],
-                          [CrossMoments(hidden, hidden) for _ in range(model_shapes.layers)])
+                          [] if recompute else patch_moments, patch_moments if recompute else [])
     held: dict[int, LayerCapture] = {}
+
+    def patch_state(capture: LayerCapture) -> torch.Tensor:
+        if recompute:
+            return residual_direction(capture.residual[0, skip_first:])[0].cpu()
+        return capture.inputs[0, skip_first:].float().cpu()
+
     for window in tqdm(windows, desc="SCD statistics", disable=not progress):
         ids = window[None].to(next(unwrapped(producer).parameters()).device)
         held.clear()
 
         def keep(capture: LayerCapture) -> None:
             held[capture.index] = LayerCapture(capture.index, capture.keys[0, skip_first:].float().cpu(),
-                                               capture.values[0, skip_first:].float().cpu(),
-                                               capture.inputs[0, skip_first:].float().cpu())
+                                               capture.values[0, skip_first:].float().cpu(), patch_state(capture))
 
         def pair(capture: LayerCapture) -> None:
             source = held.pop(capture.index)
             moments.keys[capture.index].update(source.keys, capture.keys[0, skip_first:].float().cpu())
             moments.values[capture.index].update(source.values, capture.values[0, skip_first:].float().cpu())
-            moments.inputs[capture.index].update(source.inputs, capture.inputs[0, skip_first:].float().cpu())
+            patch_moments[capture.index].update(source.inputs, patch_state(capture))
 
-        prefill_with_taps(producer, ids, None, keep, all_inputs=True)
-        prefill_with_taps(consumer, ids, None, pair, all_inputs=True)
+        prefill_with_taps(producer, ids, None, keep, all_inputs=not recompute, all_residuals=recompute)
+        prefill_with_taps(consumer, ids, None, pair, all_inputs=not recompute, all_residuals=recompute)
         moments.tokens += ids.shape[1] - skip_first
     return moments
 
@@ -155,6 +192,8 @@ class BudgetJudge:
         value = total / max(count, 1)
         self.measurements.append({"bits": bits, "components": sum(layer.components() for layer in plan),
                                   "patch_layers": [layer.index for layer in plan if layer.kind == "patch"],
+                                  "recompute_blocks": [[layer.index, layer.depth] for layer in plan
+                                                       if layer.recomputes],
                                   "kl": value})
         return value
 
@@ -177,12 +216,15 @@ def kl_divergence(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> t
 
 
 def _fit_maps(moments: PairMoments, settings: SCDFitSettings):
+    """Per kind (``keys``, ``values`` and the Patch states, ``inputs`` or ``residuals``), every layer's map and its
+    error curve over ranks."""
     fit = fit_pca_map if settings.encoder == "pca" else fit_reduced_rank_map
-    maps: dict[str, list[LowRankMap]] = {"keys": [], "values": [], "inputs": []}
-    curves: dict[str, list[torch.Tensor]] = {"keys": [], "values": [], "inputs": []}
-    for kind in ("keys", "values", "inputs"):
+    kinds = ("keys", "values", "residuals" if settings.patch_mode == "recompute" else "inputs")
+    maps: dict[str, list[LowRankMap]] = {kind: [] for kind in kinds}
+    curves: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
+    for kind in kinds:
         for layer_moments in getattr(moments, kind):
-            fitter = fit if kind != "inputs" else fit_pca_map  # Patch codes stay consumer-agnostic
+            fitter = fit if kind in ("keys", "values") else fit_pca_map  # Patch codes stay consumer-agnostic
             mapping = fitter(layer_moments, layer_moments.input_dim, ridge=settings.ridge)
             maps[kind].append(mapping)
             curves[kind].append(relative_error_by_rank(layer_moments, mapping))
@@ -196,20 +238,44 @@ def _rank_for(curve: torch.Tensor, tau: float) -> int:
     return max(1, int(within[0])) if len(within) else len(curve) - 1
 
 
-def plan_for(tau: float, patch_layers: set[int], curves: dict[str, list[torch.Tensor]]) -> list[LayerPlan]:
-    plan = []
+def plan_for(tau: float, patches: dict[int, int], curves: dict[str, list[torch.Tensor]]) -> list[LayerPlan]:
+    """The plan at rank knob ``tau`` with Patch layers ``patches`` (first layer -> depth; depth 1 for a
+    projection-only Patch). The Patch mode is the one ``curves`` were fitted for."""
+    mode = "recompute" if "residuals" in curves else "project"
+    patch_curves = curves["residuals" if mode == "recompute" else "inputs"]
+    plan: list[LayerPlan] = []
+    covered_until = 0
     for index in range(len(curves["keys"])):
-        if index in patch_layers:
-            plan.append(LayerPlan(index, "patch", patch_rank=_rank_for(curves["inputs"][index], tau)))
+        if index < covered_until:
+            plan.append(LayerPlan(index, "recomputed"))
+        elif index in patches:
+            plan.append(patch_plan(index, _rank_for(patch_curves[index], tau), mode, patches[index]))
+            covered_until = index + plan[-1].depth
         else:
-            plan.append(LayerPlan(index, "reuse", key_rank=_rank_for(curves["keys"][index], tau),
-                                  value_rank=_rank_for(curves["values"][index], tau)))
+            plan.append(reuse_plan(index, _rank_for(curves["keys"][index], tau), _rank_for(curves["values"][index], tau)))
     return plan
 
 
 def _bytes_per_token(plan: list[LayerPlan], bits: int) -> float:
-    probe = SCDKnowledgeBase(plan, {}, {}, {}, bits, 0, {}, {}, None)
-    return probe.bytes_per_token(bits)
+    return plan_bytes_per_token(plan, bits)
+
+
+def patch_candidates(patches: dict[int, int], floors: list[float], settings: SCDFitSettings) -> list[tuple[int, int]]:
+    """The ``(layer, depth)`` Patch candidates of one greedy round: the ``patch_candidates`` free layers with the
+    largest Reuse error floor, each at every depth of ``recompute_depths`` that stays clear of the blocks already
+    chosen and within ``max_recompute_layers`` (depth 1 only in ``project`` mode)."""
+    layers = len(floors)
+    taken = {index for first, depth in patches.items() for index in range(first, first + depth)}
+    free = sorted((index for index in range(layers) if index not in taken), key=lambda index: -floors[index])
+    if settings.patch_mode == "project":
+        return [(index, 1) for index in free[:settings.patch_candidates]]
+    budget = settings.max_recompute_layers - sum(patches.values())
+    candidates = []
+    for index in free[:settings.patch_candidates]:
+        room = next((first - index for first in sorted(taken) if first > index), layers - index)
+        depths = sorted({min(depth, room, budget) for depth in settings.recompute_depths if min(room, budget) >= 1})
+        candidates.extend((index, depth) for depth in depths)
+    return candidates
 
 
 def merged_identity(model) -> dict | None:
@@ -237,16 +303,17 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
                          f"({settings.holdout_prompts} held-out prompts of {prompt_tokens} and one window of "
                          f"{settings.window_tokens}). Pass more text or lower the settings.")
     layers = shapes(producer).layers
-    unknown = [layer for layer in (settings.patch_layers or ()) if not 0 <= layer < layers]
-    if unknown:  # before minutes of statistics
-        raise ValueError(f"Patch layers {unknown} do not exist: the models have layers 0..{layers - 1}.")
+    _check_forced_patches(settings, layers)  # before minutes of statistics
     statistics_ids, holdout_ids = calibration_ids[:-holdout_tokens], calibration_ids[-holdout_tokens:]
     count = min(settings.windows, statistics_ids.numel() // settings.window_tokens)
     stride = statistics_ids.numel() // count
     windows = [statistics_ids[i * stride: i * stride + settings.window_tokens] for i in range(count)]
-    moments = accumulate_pair_moments(producer, consumer, windows, skip_first=settings.exact_tokens, progress=progress)
+    moments = accumulate_pair_moments(producer, consumer, windows, skip_first=settings.exact_tokens, progress=progress,
+                                      patch_mode=settings.patch_mode)
     maps, curves = _fit_maps(moments, settings)
     num_layers = len(maps["keys"])
+    recompute = settings.patch_mode == "recompute"
+    patch_kind = "residuals" if recompute else "inputs"
 
     prompts = []
     for index in range(settings.holdout_prompts):
@@ -254,7 +321,8 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         context, continuation = ids[:, :settings.holdout_context], ids[:, settings.holdout_context:]
         captures: list[LayerCapture] = []
         # the cache covers the context but its last token, which generate() feeds as the first new input
-        prefill_with_taps(producer, context[:, :-1], None, captures.append, all_inputs=True)
+        prefill_with_taps(producer, context[:, :-1], None, captures.append, all_inputs=not recompute,
+                          all_residuals=recompute)
         oracle = DynamicCache(config=unwrapped(consumer).config.get_text_config(decoder=True))
         with torch.inference_mode():
             consumer(input_ids=context[:, :-1], cache=oracle, use_cache=True, logits_to_keep=1)
@@ -266,47 +334,56 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     merged = merged_identity(consumer)
     if merged is not None:
         consumer_identity["merged_weights_sha256"] = merged["weights_sha256"]
+    patch_maps = {i: maps[patch_kind][i] for i in range(num_layers)}
     working = SCDKnowledgeBase([], {i: maps["keys"][i] for i in range(num_layers)},
                                {i: maps["values"][i] for i in range(num_layers)},
-                               {i: maps["inputs"][i] for i in range(num_layers)}, max(settings.code_bits),
-                               settings.exact_tokens, identity, consumer_identity, tokenizer_sha256(tokenizer))
+                               {} if recompute else patch_maps, max(settings.code_bits),
+                               settings.exact_tokens, identity, consumer_identity, tokenizer_sha256(tokenizer),
+                               residuals=patch_maps if recompute else {})
     judge = BudgetJudge(consumer, working, prompts)
 
     finest = min(settings.tau_range)
     best_bits = max(settings.code_bits)
-    search = {"reuse_only_full_rank_kl": None, "patch_rounds": [], "bisection": {}}
-    patch_layers: set[int] = set()
-    current = judge.kl(plan_for(0.0, patch_layers, curves), best_bits)
+    search = {"patch_mode": settings.patch_mode, "reuse_only_full_rank_kl": None, "patch_rounds": [], "bisection": {}}
+    patches: dict[int, int] = {}
+    current = judge.kl(plan_for(0.0, patches, curves), best_bits)
     search["reuse_only_full_rank_kl"] = current
     if settings.patch_layers is not None:
-        patch_layers = set(settings.patch_layers)
-        search["forced_patch_layers"] = sorted(patch_layers)
-        search["forced_patch_full_rank_kl"] = judge.kl(plan_for(0.0, patch_layers, curves), best_bits)
+        patches = _forced_patches(settings)
+        search["forced_patch_layers"] = sorted(patches)
+        search["forced_patch_depths"] = [patches[index] for index in sorted(patches)]
+        search["forced_patch_full_rank_kl"] = judge.kl(plan_for(0.0, patches, curves), best_bits)
     floors = [float(curves["keys"][i][-1] + curves["values"][i][-1]) for i in range(num_layers)]
     rounds = 0 if settings.patch_layers is not None else settings.max_patch_layers
     with tqdm(total=rounds, desc="SCD patch layers", disable=not progress) as bar:
         for _ in range(rounds):
-            candidates = sorted((i for i in range(num_layers) if i not in patch_layers), key=lambda i: -floors[i])
-            trials = {i: judge.kl(plan_for(0.0, patch_layers | {i}, curves), best_bits)
-                      for i in candidates[:settings.patch_candidates]}
-            chosen = min(trials, key=trials.get)
-            search["patch_rounds"].append({"kl_before": current, "trials": trials, "chosen": chosen})
+            candidates = patch_candidates(patches, floors, settings)
+            if not candidates:
+                break
+            trials = {candidate: judge.kl(plan_for(0.0, {**patches, candidate[0]: candidate[1]}, curves), best_bits)
+                      for candidate in candidates}
+            lowest = min(trials.values())
+            # among the candidates within 2 % of the lowest KL, the one recomputing fewest layers
+            chosen = min(trials, key=lambda c: (trials[c] > lowest * 1.02, c[1], trials[c]))
+            search["patch_rounds"].append({"kl_before": current, "chosen": list(chosen), "trials": [
+                {"layer": layer, "depth": depth, "kl": kl} for (layer, depth), kl in trials.items()]})
             if trials[chosen] > current * (1 - settings.patch_gain):
                 break
-            patch_layers.add(chosen)
+            patches[chosen[0]] = chosen[1]
             current = trials[chosen]
             bar.update(1)
+    search["recompute_seconds_per_layer"] = _recompute_seconds(consumer, prompts, num_layers) if recompute else None
 
     best = None
     for bits in sorted(settings.code_bits, reverse=True):
         low, high = math.log(finest), math.log(max(settings.tau_range))
         trace = []
         feasible_tau = None
-        if judge.kl(plan_for(finest, patch_layers, curves), bits) <= settings.budget_kl:
+        if judge.kl(plan_for(finest, patches, curves), bits) <= settings.budget_kl:
             feasible_tau = finest
             for _ in range(settings.bisection_steps):
                 middle = (low + high) / 2
-                kl = judge.kl(plan_for(math.exp(middle), patch_layers, curves), bits)
+                kl = judge.kl(plan_for(math.exp(middle), patches, curves), bits)
                 trace.append({"tau": math.exp(middle), "kl": kl})
                 if kl <= settings.budget_kl:
                     low, feasible_tau = middle, math.exp(middle)
@@ -315,14 +392,14 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         search["bisection"][str(bits)] = {"feasible_tau": feasible_tau, "trace": trace}
         if feasible_tau is None:
             continue
-        plan = plan_for(feasible_tau, patch_layers, curves)
+        plan = plan_for(feasible_tau, patches, curves)
         candidate = (_bytes_per_token(plan, bits), bits, feasible_tau, plan)
         if best is None or candidate[0] < best[0]:
             best = candidate
     budget_met = best is not None
     if not budget_met:
         # nothing meets the budget: send the finest plan and say so (the report carries the measured KL)
-        plan = plan_for(0.0, patch_layers, curves)
+        plan = plan_for(0.0, patches, curves)
         best = (_bytes_per_token(plan, 16), 16, 0.0, plan)
         logger.warning("No plan met the budget of %.4f nats/token (finest measured: %.4f); the knowledge base uses "
                        "full-rank 16-bit codes.", settings.budget_kl, judge.measurements[-1]["kl"])
@@ -332,42 +409,98 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
     fitting = {
         "settings": {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range),
-                     "patch_layers": None if settings.patch_layers is None else list(settings.patch_layers)},
+                     "recompute_depths": list(settings.recompute_depths),
+                     "patch_layers": None if settings.patch_layers is None else list(settings.patch_layers),
+                     "patch_depths": None if settings.patch_depths is None else list(settings.patch_depths)},
         "text": text_info.to_dict() if isinstance(text_info, Corpus) else (text_info or {}),
         "statistics_tokens": moments.tokens, "statistics_windows": len(windows),
         "holdout_prompts": len(prompts), "budget_kl": settings.budget_kl, "budget_met": budget_met,
         "kl": chosen_kl, "tau": tau, "code_bits": bits, "bytes_per_coded_token": bytes_per_token,
         "raw_16bit_bytes_per_token": raw_bytes, "compression_vs_16bit": raw_bytes / bytes_per_token,
+        "recomputed_layers": recomputed_layer_count(plan),
         "search": search, "measurements": judge.measurements, "seconds": time.perf_counter() - started,
         "error_curves": {kind: [[round(float(v), 6) for v in curve] for curve in curves[kind]] for kind in curves},
     }
     keys = {layer.index: maps["keys"][layer.index].truncated(layer.key_rank) for layer in plan if layer.kind == "reuse"}
     values = {layer.index: maps["values"][layer.index].truncated(layer.value_rank) for layer in plan
               if layer.kind == "reuse"}
-    inputs = {layer.index: maps["inputs"][layer.index].truncated(layer.patch_rank) for layer in plan
-              if layer.kind == "patch"}
-    return SCDKnowledgeBase(plan, keys, values, inputs, bits, settings.exact_tokens, identity, consumer_identity,
-                            tokenizer_sha256(tokenizer), fitting)
+    patch = {layer.index: maps[patch_kind][layer.index].truncated(layer.patch_rank) for layer in plan
+             if layer.kind == "patch"}
+    return SCDKnowledgeBase(plan, keys, values, {} if recompute else patch, bits, settings.exact_tokens, identity,
+                            consumer_identity, tokenizer_sha256(tokenizer), fitting,
+                            residuals=patch if recompute else {})
+
+
+def _forced_patches(settings: SCDFitSettings) -> dict[int, int]:
+    depths = settings.patch_depths or (1,) * len(settings.patch_layers)
+    return dict(zip(settings.patch_layers, depths))
+
+
+def _check_forced_patches(settings: SCDFitSettings, layers: int) -> None:
+    if settings.patch_layers is None:
+        return
+    unknown = [layer for layer in settings.patch_layers if not 0 <= layer < layers]
+    if unknown:
+        raise ValueError(f"Patch layers {unknown} do not exist: the models have layers 0..{layers - 1}.")
+    patches = _forced_patches(settings)
+    curves = {"keys": [torch.ones(2)] * layers, "values": [torch.ones(2)] * layers,
+              "residuals" if settings.patch_mode == "recompute" else "inputs": [torch.ones(2)] * layers}
+    plan = plan_for(0.0, patches, curves)
+    problems = plan_problems(plan) + [f"layer {layer.index} falls inside an earlier block" for layer in plan
+                                      if layer.index in patches and layer.kind != "patch"]
+    if problems or len(patches) != len(settings.patch_layers):
+        raise ValueError(f"Patch layers {list(settings.patch_layers)} with depths {list(settings.patch_depths or ())}"
+                         f" do not make a valid plan ({'; '.join(problems) or 'a layer is named twice'}): blocks may "
+                         "not overlap or run past the last layer.")
+
+
+def _recompute_seconds(consumer, prompts: list[_Prompt], layers: int, repeats: int = 3) -> dict:
+    """Measured seconds for the consumer to run one of its decoder layers over a held-out prompt (the median of
+    ``repeats``), what each recomputed layer adds to the time to first token."""
+    prompt = prompts[0]
+    capture = prompt.captures[layers // 2]
+    tokens = capture.residual.shape[1]
+    mask = torch.ones(1, tokens, dtype=torch.long)
+    times = []
+    for _ in range(repeats):
+        cache = DynamicCache(config=unwrapped(consumer).config.get_text_config(decoder=True))
+        started = time.perf_counter()
+        run_decoder_block(consumer, capture.residual, mask, positions_from_mask(mask), cache, layers // 2, 1)
+        times.append(time.perf_counter() - started)
+    return {"tokens": tokens, "seconds": sorted(times)[len(times) // 2]}
 
 
 def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, window_tokens: int = 256,
                              windows: int = 8, exact_tokens: int = 4, patch_layers: tuple[int, ...] = (),
+                             patch_mode: str = "recompute", patch_depths: tuple[int, ...] | None = None,
                              code_bits: int = 16, ridge: float = 0.0, encoder: str = "pca",
                              tokenizer=None) -> SCDKnowledgeBase:
     """A knowledge base at full rank with no budget search (for exactness checks and ablations): every layer's maps
-    at full rank, the given Patch layers, ``code_bits`` codes."""
+    at full rank, the given Patch layers (``patch_mode`` ``recompute`` with ``patch_depths``, default 1 each, or
+    ``project``), ``code_bits`` codes."""
     settings = SCDFitSettings(windows=windows, window_tokens=window_tokens, exact_tokens=exact_tokens,
-                              encoder=encoder, ridge=ridge)
+                              encoder=encoder, ridge=ridge, patch_mode=patch_mode,
+                              patch_layers=tuple(patch_layers) if patch_layers else None,
+                              patch_depths=tuple(patch_depths) if patch_depths else None)
+    settings.check()
+    _check_forced_patches(settings, shapes(producer).layers)
     count = min(windows, calibration_ids.numel() // window_tokens)
     chunks = [calibration_ids[i * window_tokens:(i + 1) * window_tokens] for i in range(count)]
-    moments = accumulate_pair_moments(producer, consumer, chunks, skip_first=exact_tokens, progress=False)
-    maps, _ = _fit_maps(moments, settings)
-    plan = [LayerPlan(i, "patch", patch_rank=maps["inputs"][i].rank) if i in patch_layers else
-            LayerPlan(i, "reuse", key_rank=maps["keys"][i].rank, value_rank=maps["values"][i].rank)
-            for i in range(len(maps["keys"]))]
+    moments = accumulate_pair_moments(producer, consumer, chunks, skip_first=exact_tokens, progress=False,
+                                      patch_mode=patch_mode)
+    maps, curves = _fit_maps(moments, settings)
+    patch_kind = "residuals" if patch_mode == "recompute" else "inputs"
+    plan = plan_for(0.0, _forced_patches(settings) if patch_layers else {}, curves)
+    plan = [patch_plan(p.index, maps[patch_kind][p.index].rank, p.patch_mode, p.depth) if p.kind == "patch" else
+            reuse_plan(p.index, maps["keys"][p.index].rank, maps["values"][p.index].rank) if p.kind == "reuse" else p
+            for p in plan]
+    patch = {p.index: maps[patch_kind][p.index] for p in plan if p.kind == "patch"}
     return SCDKnowledgeBase(plan, {p.index: maps["keys"][p.index] for p in plan if p.kind == "reuse"},
                             {p.index: maps["values"][p.index] for p in plan if p.kind == "reuse"},
-                            {p.index: maps["inputs"][p.index] for p in plan if p.kind == "patch"}, code_bits,
+                            patch if patch_mode == "project" else {}, code_bits,
                             exact_tokens, {**model_identity(producer), "name": ""},
                             {**model_identity(consumer), "name": ""}, tokenizer_sha256(tokenizer),
-                            {"settings": asdict(settings), "statistics_tokens": moments.tokens})
+                            {"settings": {**asdict(settings), "patch_layers": list(patch_layers),
+                                          "patch_depths": list(patch_depths or ())},
+                             "statistics_tokens": moments.tokens},
+                            residuals=patch if patch_mode == "recompute" else {})

@@ -1,6 +1,15 @@
 """The SCD knowledge base of one (producer, consumer) pair: per layer a Reuse map (low-rank codes of the producer's
-pre-RoPE keys and values, decoded to the consumer's) or a Patch map (a low-rank code of the producer's normalized
-layer input, decoded to a prediction of the consumer's), the code precision, and the identities it was fitted for.
+pre-RoPE keys and values, decoded to the consumer's) or a Patch map, the code precision, and the identities it was
+fitted for.
+
+A Patch layer is one of two modes:
+
+- ``recompute`` (SCD's Patch): a low-rank code of the producer's RMS-normalized residual stream entering the layer
+  (``h / rms(h)``, before the norm's gain) plus each token's ``rms(h)``; the consumer predicts its own residual
+  stream there and runs its own decoder layers ``index .. index + depth - 1`` over the prompt, writing their keys and
+  values itself. The layers after the first of such a block are ``recomputed`` and carry nothing.
+- ``project`` (an ablation: projection-only Patch): a low-rank code of the producer's ``input_layernorm`` output,
+  whose prediction the consumer projects with that one layer's ``k_proj`` / ``v_proj``; no later layer changes.
 
 Saved as safetensors + JSON (one save, one ``save_id``, see :mod:`hf_kvcodecs.fileio`). Encoders are the producer's
 half and decoders the consumer's; both live in one file so a pair's fit stays one artifact.
@@ -19,11 +28,13 @@ from ..codecs.lowrank import LowRankMap
 from ..fileio import read_json, save_tensors_and_json
 
 FORMAT_NAME = "hf_kvcodecs.scd_knowledge_base"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)  # version 1 knew projection-only Patch layers only
 TENSORS_FILE = "scd_knowledge_base.safetensors"
 METADATA_FILE = "scd_knowledge_base.json"
 MAX_METADATA_BYTES = 16 * 2**20  # a 100-layer description with error curves is well under 1 MiB
-LAYER_KINDS = ("reuse", "patch")
+LAYER_KINDS = ("reuse", "patch", "recomputed")
+PATCH_MODES = ("recompute", "project")
 CODE_BITS = (4, 8, 16, 32)
 
 
@@ -33,21 +44,87 @@ class KnowledgeBaseError(ValueError):
 
 @dataclass
 class LayerPlan:
-    """How one layer travels: ``reuse`` (key and value codes of ranks ``key_rank`` / ``value_rank``) or ``patch``
-    (a code of rank ``patch_rank`` of the normalized input; the consumer projects its prediction itself)."""
+    """How one layer travels: ``reuse`` (key and value codes of ranks ``key_rank`` / ``value_rank``), ``patch`` (a
+    code of rank ``patch_rank``; ``patch_mode`` ``recompute`` makes the consumer run its own layers ``index ..
+    index + depth - 1`` from the predicted residual stream, ``project`` projects one layer's prediction, depth 1), or
+    ``recomputed`` (written by the recompute Patch block above it; nothing is sent)."""
 
     index: int
     kind: str
     key_rank: int = 0
     value_rank: int = 0
     patch_rank: int = 0
+    patch_mode: str = ""
+    depth: int = 0
 
     def components(self) -> int:
-        return self.key_rank + self.value_rank if self.kind == "reuse" else self.patch_rank
+        if self.kind == "reuse":
+            return self.key_rank + self.value_rank
+        return self.patch_rank if self.kind == "patch" else 0
+
+    @property
+    def recomputes(self) -> bool:
+        return self.kind == "patch" and self.patch_mode == "recompute"
 
     def to_dict(self) -> dict:
-        return {"index": self.index, "kind": self.kind, "key_rank": self.key_rank, "value_rank": self.value_rank,
-                "patch_rank": self.patch_rank}
+        entry = {"index": self.index, "kind": self.kind, "key_rank": self.key_rank, "value_rank": self.value_rank,
+                 "patch_rank": self.patch_rank}
+        if self.kind == "patch":
+            entry.update(patch_mode=self.patch_mode, depth=self.depth)
+        return entry
+
+
+def reuse_plan(index: int, key_rank: int, value_rank: int) -> LayerPlan:
+    return LayerPlan(index, "reuse", key_rank=key_rank, value_rank=value_rank)
+
+
+def patch_plan(index: int, rank: int, mode: str, depth: int = 1) -> LayerPlan:
+    return LayerPlan(index, "patch", patch_rank=rank, patch_mode=mode, depth=depth if mode == "recompute" else 1)
+
+
+def recompute_blocks(plan: list[LayerPlan]) -> list[tuple[int, int]]:
+    """``(first layer, depth)`` of every recompute Patch block, in layer order."""
+    return [(layer.index, layer.depth) for layer in plan if layer.recomputes]
+
+
+def recomputed_layer_count(plan: list[LayerPlan]) -> int:
+    """Decoder layers the consumer runs itself over the prompt (every recompute block's depth)."""
+    return sum(depth for _, depth in recompute_blocks(plan))
+
+
+def plan_problems(plan: list[LayerPlan]) -> list[str]:
+    """What is structurally wrong with a plan: layers out of order, a Patch mode or depth out of range, a recompute
+    block that runs past the last layer or over a layer that sends codes, a ``recomputed`` layer no block covers."""
+    problems = []
+    if [layer.index for layer in plan] != list(range(len(plan))):
+        return ["the plan must list layers 0..L-1 in order"]
+    covered_until = 0
+    for layer in plan:
+        inside = layer.index < covered_until
+        if layer.kind == "recomputed":
+            if not inside:
+                problems.append(f"layer {layer.index} is 'recomputed' but no recompute Patch block above covers it")
+            if layer.components():
+                problems.append(f"layer {layer.index} is 'recomputed' but names code ranks")
+            continue
+        if inside:
+            problems.append(f"layer {layer.index} is inside the recompute block ending at layer {covered_until - 1} "
+                            f"but is {layer.kind!r}, not 'recomputed'")
+        if layer.kind == "patch":
+            if layer.patch_mode not in PATCH_MODES:
+                problems.append(f"layer {layer.index}: patch_mode must be one of {PATCH_MODES}, got "
+                                f"{layer.patch_mode!r}")
+            elif layer.patch_mode == "project" and layer.depth != 1:
+                problems.append(f"layer {layer.index}: a projection-only Patch layer has depth 1, got {layer.depth}")
+            elif not 1 <= layer.depth <= len(plan) - layer.index:
+                problems.append(f"layer {layer.index}: recompute depth {layer.depth} must be 1..{len(plan) - layer.index}")
+            else:
+                covered_until = layer.index + layer.depth
+            if layer.key_rank or layer.value_rank:
+                problems.append(f"layer {layer.index} is a Patch layer but names key/value ranks")
+        elif layer.patch_rank or layer.patch_mode or layer.depth:
+            problems.append(f"layer {layer.index} is a Reuse layer but names a Patch rank, mode or depth")
+    return problems
 
 
 @dataclass
@@ -55,7 +132,7 @@ class SCDKnowledgeBase:
     plan: list[LayerPlan]
     keys: dict[int, LowRankMap]  # reuse layers
     values: dict[int, LowRankMap]
-    inputs: dict[int, LowRankMap]  # patch layers
+    inputs: dict[int, LowRankMap]  # projection-only patch layers: normalized input -> the consumer's
     code_bits: int
     exact_tokens: int  # the first tokens of every prompt the consumer computes itself (attention sinks)
     producer: dict  # model_access.model_identity of the producer, plus its name
@@ -63,6 +140,7 @@ class SCDKnowledgeBase:
     tokenizer_sha256: str | None
     fitting: dict = field(default_factory=dict)  # texts, settings, the budget and what was measured
     save_id: str | None = None
+    residuals: dict[int, LowRankMap] = field(default_factory=dict)  # recompute patch layers: h / rms(h), both sides
 
     # ---- what it is -------------------------------------------------------------------------------------------
     @property
@@ -73,17 +151,25 @@ class SCDKnowledgeBase:
     def patch_layers(self) -> list[int]:
         return [layer.index for layer in self.plan if layer.kind == "patch"]
 
+    @property
+    def residual_layers(self) -> list[int]:
+        """Layers whose residual stream the producer codes (the first layer of each recompute block)."""
+        return [layer.index for layer in self.plan if layer.recomputes]
+
+    @property
+    def input_layers(self) -> list[int]:
+        """Layers whose normalized input the producer codes (projection-only Patch layers)."""
+        return [layer.index for layer in self.plan if layer.kind == "patch" and not layer.recomputes]
+
+    def patch_map(self, layer: LayerPlan) -> LowRankMap:
+        return (self.residuals if layer.recomputes else self.inputs)[layer.index]
+
     def components_per_token(self) -> int:
         return sum(layer.components() for layer in self.plan)
 
     def bytes_per_token(self, code_bits: int | None = None) -> float:
         """Bytes on the wire per coded token: the codes plus one float16 scale per code vector."""
-        bits = code_bits or self.code_bits
-        vectors = sum(2 if layer.kind == "reuse" else 1 for layer in self.plan)
-        scale_bytes = 0 if bits >= 16 else 2 * vectors
-        code_bytes = sum(_packed_bytes(rank, bits) for layer in self.plan
-                         for rank in ((layer.key_rank, layer.value_rank) if layer.kind == "reuse" else (layer.patch_rank,)))
-        return code_bytes + scale_bytes
+        return plan_bytes_per_token(self.plan, code_bits or self.code_bits)
 
     def identity(self) -> str:
         """What a payload names to say which knowledge base coded it."""
@@ -105,6 +191,8 @@ class SCDKnowledgeBase:
             tensors.update(mapping.tensors(f"layers.{index}.values"))
         for index, mapping in self.inputs.items():
             tensors.update(mapping.tensors(f"layers.{index}.inputs"))
+        for index, mapping in self.residuals.items():
+            tensors.update(mapping.tensors(f"layers.{index}.residuals"))
         description = {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "plan": [layer.to_dict() for layer in self.plan],
             "code_bits": self.code_bits, "exact_tokens": self.exact_tokens, "producer": self.producer,
@@ -129,7 +217,7 @@ class SCDKnowledgeBase:
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
             raise KnowledgeBaseError(f"{metadata_path} is not an SCD knowledge base.")
         version = metadata.get("format_version")
-        if type(version) is not int or version != FORMAT_VERSION:
+        if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
             raise KnowledgeBaseError(f"{metadata_path} has format_version={version!r}; this hf_kvcodecs reads version "
                                      f"{FORMAT_VERSION}. Upgrade hf_kvcodecs or re-run `hf-kvcodecs scd fit`.")
         try:
@@ -144,19 +232,21 @@ class SCDKnowledgeBase:
         try:
             plan = _read_plan(metadata.get("plan"))
             code_bits, exact_tokens = int(metadata["code_bits"]), int(metadata["exact_tokens"])
-            keys, values, inputs = {}, {}, {}
+            keys, values, inputs, residuals = {}, {}, {}, {}
             for layer in plan:
                 if layer.kind == "reuse":
                     keys[layer.index] = LowRankMap.from_tensors(tensors, f"layers.{layer.index}.keys")
                     values[layer.index] = LowRankMap.from_tensors(tensors, f"layers.{layer.index}.values")
-                else:
+                elif layer.recomputes:
+                    residuals[layer.index] = LowRankMap.from_tensors(tensors, f"layers.{layer.index}.residuals")
+                elif layer.kind == "patch":
                     inputs[layer.index] = LowRankMap.from_tensors(tensors, f"layers.{layer.index}.inputs")
         except (KeyError, TypeError, ValueError) as error:
             raise KnowledgeBaseError(f"{directory} holds an inconsistent knowledge base ({error}); re-run "
                                      "`hf-kvcodecs scd fit`.") from error
         made = cls(plan, keys, values, inputs, code_bits, exact_tokens, metadata.get("producer") or {},
                    metadata.get("consumer") or {}, metadata.get("tokenizer_sha256"), metadata.get("fitting") or {},
-                   metadata.get("save_id"))
+                   metadata.get("save_id"), residuals)
         problems = made.consistency_problems()
         if problems:
             raise KnowledgeBaseError(f"{directory} holds an inconsistent knowledge base: {'; '.join(problems)}.")
@@ -168,16 +258,15 @@ class SCDKnowledgeBase:
             problems.append(f"code_bits must be one of {CODE_BITS}, got {self.code_bits}")
         if self.exact_tokens < 0:
             problems.append("exact_tokens must be >= 0")
-        if [layer.index for layer in self.plan] != list(range(len(self.plan))):
-            problems.append("the plan must list layers 0..L-1 in order")
+        problems.extend(plan_problems(self.plan))
         for layer in self.plan:
             if layer.kind == "reuse":
                 for kind, rank, mapping in (("key", layer.key_rank, self.keys.get(layer.index)),
                                             ("value", layer.value_rank, self.values.get(layer.index))):
                     if mapping is None or rank < 0 or rank > mapping.rank:
                         problems.append(f"layer {layer.index}: {kind} rank {rank} exceeds its map's rank")
-            else:
-                mapping = self.inputs.get(layer.index)
+            elif layer.kind == "patch":
+                mapping = (self.residuals if layer.recomputes else self.inputs).get(layer.index)
                 if mapping is None or layer.patch_rank < 1 or layer.patch_rank > mapping.rank:
                     problems.append(f"layer {layer.index}: patch rank {layer.patch_rank} exceeds its map's rank")
         return problems
@@ -187,6 +276,19 @@ def _packed_bytes(rank: int, bits: int) -> int:
     return math.ceil(rank * bits / 8)
 
 
+
+
+def plan_bytes_per_token(plan: list[LayerPlan], bits: int) -> float:
+    """Bytes on the wire per coded token: the codes, one float16 scale per code vector below 16 bits, and one RMS
+    per recompute block (float16; float32 beside lossless 32-bit codes)."""
+    vectors = sum(2 if layer.kind == "reuse" else 1 for layer in plan if layer.kind != "recomputed")
+    scale_bytes = 0 if bits >= 16 else 2 * vectors
+    code_bytes = sum(_packed_bytes(rank, bits) for layer in plan
+                     for rank in ((layer.key_rank, layer.value_rank) if layer.kind == "reuse" else (layer.patch_rank,)))
+    rms_bytes = 4 if bits == 32 else 2
+    return code_bytes + scale_bytes + rms_bytes * len(recompute_blocks(plan))
+
+
 def _read_plan(raw) -> list[LayerPlan]:
     if not isinstance(raw, list) or not raw or len(raw) > 4096:
         raise ValueError("the plan must be a non-empty list of layers")
@@ -194,8 +296,16 @@ def _read_plan(raw) -> list[LayerPlan]:
     for item in raw:
         if not isinstance(item, dict) or item.get("kind") not in LAYER_KINDS:
             raise ValueError(f"each plan entry needs a kind in {LAYER_KINDS}, got {item!r}")
-        numbers = {name: item.get(name, 0) for name in ("index", "key_rank", "value_rank", "patch_rank")}
-        if any(type(value) is not int or value < 0 for value in numbers.values()):
+        numbers = {name: item.get(name, 0) for name in ("index", "key_rank", "value_rank", "patch_rank", "depth")}
+        if any(type(value) is not int or not 0 <= value < 2**31 for value in numbers.values()):
             raise ValueError(f"plan entry {item!r} must hold non-negative integers")
-        plan.append(LayerPlan(kind=item["kind"], **numbers))
+        mode = item.get("patch_mode", "")
+        if item["kind"] == "patch" and "patch_mode" not in item:  # written before recompute Patch existed
+            mode, numbers["depth"] = "project", 1
+        if not isinstance(mode, str):
+            raise ValueError(f"plan entry {item!r}: patch_mode must be a string")
+        plan.append(LayerPlan(kind=item["kind"], patch_mode=mode, **numbers))
+    problems = plan_problems(plan)
+    if problems:
+        raise ValueError("; ".join(problems[:3]))
     return plan

@@ -132,18 +132,29 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LayerCapture:
     """One layer's states from a prefill: pre-RoPE keys and values ``[B, T, H_kv * d_h]`` and, where asked for, the
-    normalized layer input ``[B, T, d]`` (the output of ``input_layernorm``)."""
+    normalized layer input ``[B, T, d]`` (the output of ``input_layernorm``) and the residual stream entering the
+    layer ``[B, T, d]``."""
 
     index: int
     keys: torch.Tensor
     values: torch.Tensor
     inputs: torch.Tensor | None
+    residual: torch.Tensor | None = None
+
+
+def residual_direction(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h / rms(h), rms(h))`` per token of a residual stream ``[..., d]`` (float32): what a recompute Patch codes
+    and the one scalar per token that restores the stream from it."""
+    residual = residual.float()
+    rms = residual.pow(2).mean(-1).sqrt().clamp_min(1e-6)
+    return residual / rms[..., None], rms
 
 
 @torch.inference_mode()
 def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       on_layer: Callable[[LayerCapture], None], *, inputs_of: set[int] | frozenset = frozenset(),
-                      all_inputs: bool = False) -> None:
+                      all_inputs: bool = False, residuals_of: set[int] | frozenset = frozenset(),
+                      all_residuals: bool = False) -> None:
     """Run ``model`` over the prompt once and call ``on_layer`` for each layer as soon as its states exist (so a
     caller can encode and send layer ``l`` while layers after it still run). Nothing is kept afterwards; no logits
     beyond the last position are computed."""
@@ -157,13 +168,20 @@ def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             state[kind] = output.detach()
             if "keys" in state and "values" in state:
                 del pending[index]
-                on_layer(LayerCapture(index, state["keys"], state["values"], state.get("inputs")))
+                on_layer(LayerCapture(index, state["keys"], state["values"], state.get("inputs"), state.get("residual")))
+        return hook
+
+    def tap_residual(index: int):
+        def hook(module, args, kwargs):
+            pending.setdefault(index, {})["residual"] = (args[0] if args else kwargs["hidden_states"]).detach()
         return hook
 
     try:
         for index, layer in enumerate(layers):
             if all_inputs or index in inputs_of:
                 handles.append(layer.input_layernorm.register_forward_hook(tap(index, "inputs")))
+            if all_residuals or index in residuals_of:
+                handles.append(layer.register_forward_pre_hook(tap_residual(index), with_kwargs=True))
             handles.append(layer.self_attn.k_proj.register_forward_hook(tap(index, "keys")))
             handles.append(layer.self_attn.v_proj.register_forward_hook(tap(index, "values")))
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
@@ -175,3 +193,31 @@ def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     if pending:
         raise SCDModelError(f"Layers {sorted(pending)} ran without both k_proj and v_proj; the model's attention does "
                             "not call its projections as SCD expects.")
+
+
+@torch.inference_mode()
+def run_decoder_block(model, hidden: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      cache, first: int, depth: int) -> None:
+    """Run ``model``'s own decoder layers ``first .. first + depth - 1`` over ``hidden`` ``[B, N, d]``, the residual
+    stream of the prompt's last ``N`` tokens entering layer ``first``, so they write those tokens' keys and values
+    into ``cache`` after the ones it already holds for every layer (the same earlier tokens in each).
+    ``attention_mask`` ``[B, T]`` covers all ``T`` tokens, cached and new; ``position_ids`` ``[B, N]`` are the new
+    tokens' positions. A peft model's adapted projections run as they are."""
+    from transformers.masking_utils import create_causal_mask
+
+    inner = unwrapped(model)
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", inner)
+    layers = decoder_layers(model)
+    if not 0 <= first < first + depth <= len(layers):
+        raise ValueError(f"Layers {first}..{first + depth - 1} do not exist: the model has {len(layers)}.")
+    weight = next(inner.parameters())
+    hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+    position_ids = position_ids.to(weight.device)
+    mask = create_causal_mask(config=decoder.config, inputs_embeds=hidden, attention_mask=attention_mask.to(weight.device),
+                              cache=cache, position_ids=position_ids)
+    position_embeddings = decoder.rotary_emb(hidden, position_ids=position_ids)
+    for layer in layers[first:first + depth]:
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True,
+                       position_embeddings=position_embeddings)
+        if isinstance(hidden, tuple):  # decoder layers that also return attention weights
+            hidden = hidden[0]
