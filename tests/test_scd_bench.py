@@ -16,6 +16,7 @@ from hf_kvcodecs.bench.scd import (
     kivi_cache,
     producer_cache,
     run_scd_bench,
+    scd_bytes_plot,
     scd_markdown,
     scd_plot,
     token_f1,
@@ -38,6 +39,35 @@ def test_token_f1():
     assert token_f1("12345.", "12345") == 1.0 and token_f1("", "1") == 0.0
 
 
+class StubChatTokenizer:
+    """Enough of a chat tokenizer for the instruction prompts on a tiny model: the prompt's words become token ids."""
+
+    chat_template = "stub"
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, **options):
+        words = messages[0]["content"].split()[:60]
+        return {"input_ids": torch.tensor([[3 + sum(map(ord, word)) % 120 for word in words]])}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(str(int(token)) for token in ids)
+
+
+def test_instruction_prompts_are_chat_templated_licence_paragraphs():
+    from hf_kvcodecs.bench.instructions import INSTRUCTIONS, instruction_prompts, licence_paragraphs
+
+    paragraphs = licence_paragraphs()
+    assert len(paragraphs) > 20 and all(60 <= len(text.split()) <= 220 for _, text in paragraphs)
+    prompts = instruction_prompts(StubChatTokenizer(), 5, seed=1)
+    assert len(prompts) == 5 and all(ids.ndim == 1 and ids.numel() > 10 for ids, _ in prompts)
+    assert [description.split(": ", 1)[1] for _, description in prompts[:4]] == list(INSTRUCTIONS)
+    assert instruction_prompts(StubChatTokenizer(), 5, seed=1)[0][1] == prompts[0][1]  # stable for a seed
+    plain = StubChatTokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        instruction_prompts(plain, 1)
+
+
 def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     torch.manual_seed(0)
     producer = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).eval()
@@ -51,16 +81,20 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     kvtc.save(tmp_path / "kvtc")
     sixteen_bit = full_rank_knowledge_base(producer, consumer, stream, window_tokens=128, windows=6, code_bits=16)
     sixteen_bit.save(tmp_path / "kb16")
+    projected = full_rank_knowledge_base(producer, consumer, stream, window_tokens=128, windows=6, patch_layers=(2,),
+                                         patch_mode="project", code_bits=8)
+    projected.save(tmp_path / "kb-project")
     codebooks = GSRQCodebooks.load(_tiny_codebooks(producer, stream, tmp_path / "codebooks"))
     settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
-                                cost_repeats=1, passkey_trials=0, fact_trials=0, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
+                                cost_repeats=1, passkey_trials=0, fact_trials=0, instruction_trials=2,
+                                instruction_tokens=6, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
-                            SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=None), kb, kvtc,
-                            stream[3000:], "random tokens", settings, progress=False, gsrq_codebooks=codebooks,
-                            extra_kbs={"scd-16bit": sixteen_bit})
+                            SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=StubChatTokenizer()),
+                            kb, kvtc, stream[3000:], "random tokens", settings, progress=False,
+                            gsrq_codebooks=codebooks, extra_kbs={"scd-16bit": sixteen_bit, "scd-project": projected})
     quality = results["quality"]
     assert set(quality) == {"oracle", "raw-16", "kivi-8", "kivi-4", "scd", "kvtc-like", "droidspeak-2",
-                            f"gsrq-{TINY_BITS:g}", "scd-16bit"}
+                            f"gsrq-{TINY_BITS:g}", "scd-16bit", "scd-project"}
     assert quality["scd-16bit"]["bytes_per_token"] > quality["scd"]["bytes_per_token"]
     assert "scd-16bit_rebuild_s" in results["cost"]["128"]
     assert 0 < quality[f"gsrq-{TINY_BITS:g}"]["bytes_per_token"] < results["raw_16bit_bytes_per_token"]
@@ -71,6 +105,13 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     sweep = results["ttft"]["cpu_measured__codes_ready"]
     slow, fast = sweep["raw-16"]["128"]["1"], sweep["raw-16"]["128"]["400"]
     assert slow > fast and sweep["oracle"]["128"]["1"] == sweep["oracle"]["128"]["400"]
-    assert "| scd |" in scd_markdown(results)
+    assert results["knowledge_base"]["recompute_blocks"] == [[2, 1]]
+    assert results["other_knowledge_bases"]["scd-project"]["patch_mode"] == "project"
+    assert results["other_knowledge_bases"]["scd-project"]["recompute_blocks"] == []
+    instructions = results["instructions"]
+    assert instructions["oracle"]["f1"] == 1.0 and instructions["scd"]["trials"] == 2
+    markdown = scd_markdown(results)
+    assert "| scd |" in markdown and "recomputed layers 2..2" in markdown
     scd_plot(results, tmp_path / "scd.png")
-    assert (tmp_path / "scd.png").stat().st_size > 1000
+    scd_bytes_plot(results, tmp_path / "scd_bytes.png")
+    assert (tmp_path / "scd.png").stat().st_size > 1000 and (tmp_path / "scd_bytes.png").stat().st_size > 1000

@@ -35,6 +35,7 @@ from transformers.cache_utils import DynamicCache
 from ..evaluation import WindowScores, paired_comparison, token_nll
 from ..scd import SCDKnowledgeBase, SCDTransferCache, encode, truncate_payload
 from ..scd.model_access import decoder_layers, shapes, unwrapped
+from .instructions import instruction_prompts
 from .retrieval import (
     PACKAGE_DATABASE,
     exact_match,
@@ -64,6 +65,8 @@ class SCDBenchSettings:
     passkey_trials: int = 6
     fact_trials: int = 8  # fact look-up questions over Debian's package database (see bench.retrieval)
     fact_records: str = str(PACKAGE_DATABASE)
+    instruction_trials: int = 8  # chat-templated instructions over licence paragraphs (see bench.instructions)
+    instruction_tokens: int = 48
     kivi_group: int = 64  # tokens per key-channel group, channels per value-token group
     droidspeak_layers: tuple[int, ...] = (10, 20)
     gsrq_bits: tuple[float, ...] = (2.0,)
@@ -275,9 +278,11 @@ def quality(producer, consumer, kb, kvtc_kb, windows: list[torch.Tensor], settin
 
 
 def retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings: SCDBenchSettings, answer_tokens: int,
-              description: str, progress=True, gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
+              description: str, progress=True, gsrq_codebooks=None, extra_kbs: dict | None = None,
+              clean: Callable[[str], str] = first_line) -> dict:
     """Greedy answers of the consumer after each method's cache of the prompt (all but its last token); exact match
-    and token F1 against the real answer, per method, plus the answers themselves."""
+    and token F1 against the real answer (each answer passed through ``clean`` first), per method, plus the answers
+    themselves."""
     scores: dict[str, list[tuple[float, float, str]]] = {}
     for ids, expected in tqdm(prompts, desc=description, disable=not progress):
         methods = method_caches(producer, consumer, kb, kvtc_kb, ids[:-1][None], settings, gsrq_codebooks, extra_kbs)
@@ -285,7 +290,7 @@ def retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings: SCD
             output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
                                        cache=build(), max_new_tokens=answer_tokens, do_sample=False,
                                        pad_token_id=tokenizer.pad_token_id)
-            answer = first_line(tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True))
+            answer = clean(tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True))
             scores.setdefault(name, []).append((exact_match(answer, expected), token_f1(answer, expected), answer))
     return {name: {"exact_match": statistics.mean(s[0] for s in values), "f1": statistics.mean(s[1] for s in values),
                    "trials": len(values), "answers": [s[2] for s in values],
@@ -305,6 +310,25 @@ def fact_lookup(producer, consumer, tokenizer, kb, kvtc_kb, settings: SCDBenchSe
                                   settings.context_tokens)
     return retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings, 24, "SCD fact look-up", progress,
                      gsrq_codebooks, extra_kbs)
+
+
+def instructions(producer, consumer, tokenizer, kb, kvtc_kb, settings: SCDBenchSettings, progress=True,
+                 gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
+    """Chat-templated instructions about real licence paragraphs (see :mod:`.instructions`): each method's greedy
+    answer scored by token F1 against the oracle's answer to the same prompt (the oracle scores 1)."""
+    prompts = instruction_prompts(tokenizer, settings.instruction_trials, settings.seed)
+    references = []
+    for ids, _ in prompts:
+        with torch.inference_mode():
+            output = consumer.generate(ids[None], attention_mask=torch.ones(1, ids.numel(), dtype=torch.long),
+                                       max_new_tokens=settings.instruction_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+        references.append((ids, tokenizer.decode(output[0, ids.numel():], skip_special_tokens=True).strip()))
+    results = retrieval(producer, consumer, tokenizer, kb, kvtc_kb, references, settings, settings.instruction_tokens,
+                        "SCD instructions", progress, gsrq_codebooks, extra_kbs, clean=str.strip)
+    for row in results.values():
+        row["prompts"] = [description for _, description in prompts]
+    return results
 
 
 # ---- cost and TTFT ------------------------------------------------------------------------------------------------
@@ -455,6 +479,8 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
                               progress, gsrq_codebooks, extra_kbs) if settings.passkey_trials else {}
     fact_results = fact_lookup(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, settings, progress,
                                gsrq_codebooks, extra_kbs) if settings.fact_trials else {}
+    instruction_results = instructions(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, settings, progress,
+                                       gsrq_codebooks, extra_kbs) if settings.instruction_trials else {}
     cost_rows = cost(producer, consumer, kb, evaluation_ids, settings, progress, gsrq_codebooks, extra_kbs)
     num_layers = shapes(consumer).layers
     sizes = {name: row["bytes_per_token"] for name, row in quality_results.items()}
@@ -466,19 +492,23 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
                                      producer_on_path=on_path)
     return {
         "producer": producer_loaded.description, "consumer": consumer_loaded.description,
-        "knowledge_base": {"save_id": kb.save_id, "plan_patch_layers": kb.patch_layers, "code_bits": kb.code_bits,
-                           "bytes_per_coded_token": kb.bytes_per_token(), "fit_kl": kb.fitting.get("kl"),
-                           "fit_budget_kl": kb.fitting.get("budget_kl"), "calibration_text": kb.fitting.get("text")},
-        "other_knowledge_bases": {name: {"save_id": other.save_id, "plan_patch_layers": other.patch_layers,
-                                         "code_bits": other.code_bits, "fit_kl": other.fitting.get("kl"),
-                                         "fit_budget_kl": other.fitting.get("budget_kl")}
-                                  for name, other in (extra_kbs or {}).items()},
+        "knowledge_base": {**_plan_summary(kb), "calibration_text": kb.fitting.get("text")},
+        "other_knowledge_bases": {name: _plan_summary(other) for name, other in (extra_kbs or {}).items()},
         "evaluation_text": evaluation_description, "settings": settings_dict(settings),
         "raw_16bit_bytes_per_token": 2 * num_layers * shapes(consumer).kv_width * 2,
-        "quality": quality_results, "passkey": passkey_results, "fact_lookup": fact_results, "cost": {str(k): v for k, v in cost_rows.items()},
+        "quality": quality_results, "passkey": passkey_results, "fact_lookup": fact_results,
+        "instructions": instruction_results, "cost": {str(k): v for k, v in cost_rows.items()},
         "ttft": sweeps, "speedup": {key: speedups(table) for key, table in sweeps.items()},
         "gpu_class_source": GPU_SOURCE, "seconds": time.perf_counter() - started,
     }
+
+
+def _plan_summary(kb: SCDKnowledgeBase) -> dict:
+    return {"save_id": kb.save_id, "plan_patch_layers": kb.patch_layers,
+            "patch_mode": (kb.fitting.get("settings") or {}).get("patch_mode", "project"),
+            "recompute_blocks": [[layer.index, layer.depth] for layer in kb.plan if layer.recomputes],
+            "code_bits": kb.code_bits, "bytes_per_coded_token": kb.bytes_per_token(), "fit_kl": kb.fitting.get("kl"),
+            "fit_budget_kl": kb.fitting.get("budget_kl")}
 
 
 def scd_markdown(results: dict) -> str:
@@ -492,18 +522,28 @@ def scd_markdown(results: dict) -> str:
              f"{results['settings']['passkey_trials']} prompts of {results['settings']['context_tokens']} tokens; "
              f"fact look-up: {results['settings'].get('fact_trials', 0)} questions, each the version of one package "
              f"in a context of real records of {results['settings'].get('fact_records')} (see bench.retrieval).", "",
-             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | F1 | fact EM | F1 |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"instructions: {results['settings'].get('instruction_trials', 0)} chat-templated prompts over licence "
+             "paragraphs, token F1 of each greedy answer against the oracle's.", "",
+             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | F1 | fact EM | F1 | "
+             "instr. F1 vs oracle |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in results["quality"].items():
         size = row["bytes_per_token"]
         ratio = f"{raw / size:.1f}x" if size else "-"
         se = row["delta_ppl_pct_se"]
         key = results["passkey"].get(name, {})
         fact = results.get("fact_lookup", {}).get(name, {})
+        instruction = results.get("instructions", {}).get(name, {})
         lines.append(f"| {name} | {size:.0f} | {ratio} | {row['perplexity']:.3f} | {row['delta_ppl_pct']:+.2f} ± "
                      f"{(se or 0):.2f} | {row.get('kl_mean', 0):.4f} | {row.get('top1_agreement', 1):.3f} | "
                      f"{key.get('exact_match', float('nan')):.2f} | {key.get('f1', float('nan')):.2f} | "
-                     f"{fact.get('exact_match', float('nan')):.2f} | {fact.get('f1', float('nan')):.2f} |")
+                     f"{fact.get('exact_match', float('nan')):.2f} | {fact.get('f1', float('nan')):.2f} | "
+                     f"{instruction.get('f1', float('nan')):.2f} |")
+    lines += ["", "SCD operating points:", ""]
+    for name, summary in (("scd", results["knowledge_base"]), *results.get("other_knowledge_bases", {}).items()):
+        blocks = ", ".join(f"{first}..{first + depth - 1}" for first, depth in summary.get("recompute_blocks", []))
+        lines.append(f"- {name}: Patch layers {summary.get('plan_patch_layers')} ({summary.get('patch_mode')}"
+                     f"{'; recomputed layers ' + blocks if blocks else ''}), {summary.get('code_bits')}-bit codes, "
+                     f"fit KL {summary.get('fit_kl') or float('nan'):.4f} (budget {summary.get('fit_budget_kl')})")
     lines += ["", "Cost, measured on this machine (median of repeats, seconds):", "",
               "| tokens | oracle prefill | producer prefill | SCD encode | SCD rebuild | KIVI dequant | first step | "
               "GPU-class oracle prefill (modelled) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -521,6 +561,38 @@ def scd_markdown(results: dict) -> str:
                 lines.append(f"| {method} | {tokens} | " + " | ".join(f"{value:.2f}" for value in by_bw.values()) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+def scd_bytes_plot(results: dict, path) -> None:
+    """Quality against bytes per token on the wire, one point per method: KL from the oracle (left) and Δppl
+    (right); the oracle sends nothing and is left out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    raw = results["raw_16bit_bytes_per_token"]
+    for method, row in results["quality"].items():
+        if method == "oracle" or not row["bytes_per_token"]:
+            continue
+        marker = "*" if method.startswith("scd") else "o"
+        for axis, value in ((axes[0], max(row.get("kl_mean", 0.0), 1e-5)), (axes[1], row["delta_ppl_pct"])):
+            axis.scatter(row["bytes_per_token"], value, marker=marker, s=70 if marker == "*" else 30)
+            axis.annotate(method, (row["bytes_per_token"], value), fontsize=7)
+    for axis, label in ((axes[0], "KL from the oracle (nats/token)"), (axes[1], "Δppl vs the oracle (%)")):
+        axis.set_xscale("log")
+        axis.axvline(raw, color="grey", lw=0.5)
+        for ratio in (4, 16):
+            axis.axvline(raw / ratio, color="grey", lw=0.5, ls=":")
+        axis.set_xlabel("bytes per token on the wire (dotted: 4x and 16x fewer than 16-bit KV)")
+        axis.set_ylabel(label)
+    axes[0].set_yscale("log")
+    axes[1].set_yscale("symlog", linthresh=1.0)
+    figure.suptitle(f"{results['producer']} -> {results['consumer']}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def scd_plot(results: dict, path) -> None:

@@ -34,6 +34,8 @@ def add_parser(bench) -> None:
     scd.add_argument("--passkey-trials", type=int, default=6, help="pass-key prompts")
     scd.add_argument("--fact-trials", type=int, default=8,
                      help="fact look-up questions over Debian's package database (0 to leave them out)")
+    scd.add_argument("--instruction-trials", type=int, default=8,
+                     help="chat-templated instructions over licence paragraphs, scored against the oracle's answers")
     scd.add_argument("--droidspeak-layers", type=int, nargs="*", default=[10, 20],
                      help="transition layers of the DroidSpeak-style baseline")
     scd.add_argument("--gsrq-bits", type=float, nargs="*", default=[2.0],
@@ -44,7 +46,7 @@ def add_parser(bench) -> None:
 
 
 def command(args) -> int:
-    from ...bench.scd import SCDBenchSettings, run_scd_bench, scd_markdown, scd_plot
+    from ...bench.scd import SCDBenchSettings, run_scd_bench, scd_bytes_plot, scd_markdown, scd_plot
     from ...scd import SCDKnowledgeBase, full_rank_knowledge_base
     from ...text import load_corpus, tokenize_corpus
 
@@ -66,7 +68,7 @@ def command(args) -> int:
     kvtc_kb.save(Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kvtc_like_")))
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
                                 cost_contexts=tuple(args.cost_contexts), passkey_trials=args.passkey_trials,
-                                fact_trials=args.fact_trials,
+                                fact_trials=args.fact_trials, instruction_trials=args.instruction_trials,
                                 droidspeak_layers=tuple(args.droidspeak_layers), gsrq_bits=tuple(args.gsrq_bits))
     codebooks = None
     if args.gsrq_bits:
@@ -77,4 +79,5 @@ def command(args) -> int:
                             evaluation.description, settings, gsrq_codebooks=codebooks, extra_kbs=extra_kbs)
     write_results(args.out, "scd", results, scd_markdown(results))
     scd_plot(results, args.out / "scd.png")
+    scd_bytes_plot(results, args.out / "scd_bytes.png")
     return 0
