@@ -23,7 +23,7 @@ from hf_kvcodecs.scd import (
     full_rank_knowledge_base,
     truncate_payload,
 )
-from hf_kvcodecs.scd.fit import continuation_logprobs, kl_divergence, patch_candidates
+from hf_kvcodecs.scd.fit import continuation_logprobs, kl_divergence, patch_trials
 from hf_kvcodecs.scd.knowledge_base import LayerPlan, _read_plan, plan_bytes_per_token, plan_problems
 from hf_kvcodecs.scd.payload import pack_payload, unpack_payload
 
@@ -180,14 +180,26 @@ def test_plan_structure_is_validated():
         _read_plan([{"index": 0, "kind": "patch", "patch_rank": 4, "patch_mode": "guess", "depth": 1}])
 
 
-def test_patch_candidates_respect_blocks_and_the_compute_cap(producer, stream):
-    settings = SCDFitSettings(recompute_depths=(1, 4, 32), max_recompute_layers=6, patch_candidates=10)
-    floors = [float(index) for index in range(10)]  # deeper layers first
-    candidates = patch_candidates({6: 2}, floors, settings)
-    assert all(not 6 <= layer < 8 for layer, _ in candidates)
-    assert (9, 1) in candidates and all(depth <= 4 for _, depth in candidates)  # 6 - 2 layers of compute left
-    assert all(layer + depth <= 6 for layer, depth in candidates if layer < 6)  # a block stops at the next one
-    assert patch_candidates({0: 6}, floors, settings) == []
+def test_patch_trials_respect_blocks_and_the_compute_cap(producer, stream):
+    settings = SCDFitSettings(recompute_depths=(1, 4, 32), max_recompute_layers=6, patch_candidates=2)
+    floors = [0.0] * 10
+    measured = []
+
+    def evaluate(candidate):  # a stand-in KL: blocks starting at layer 3 help most, deeper blocks help more
+        measured.append(candidate)
+        return abs(candidate[0] - 3) + 1 / candidate[1]
+
+    trials = patch_trials({6: 2}, floors, settings, evaluate)
+    assert set(trials) == set(measured) and len(measured) == len(set(measured))
+    assert all(not 6 <= layer < 8 for layer, _ in trials)
+    assert all(depth <= 4 for _, depth in trials)  # 6 - 2 layers of compute left
+    assert all(layer + depth <= 6 for layer, depth in trials if layer < 6)  # a block stops at the next one
+    first_stage = {layer for layer, depth in trials if depth == min(4, 6 - layer if layer < 6 else 10 - layer)}
+    assert first_stage == {0, 1, 2, 3, 4, 5, 8, 9}  # every free layer is measured as a start
+    assert {(3, 1), (3, 3), (2, 1), (2, 4)} <= set(trials)  # the two best starts at every shallower depth
+    assert patch_trials({0: 6}, floors, settings, evaluate) == {}
+    project = SCDFitSettings(patch_mode="project", patch_candidates=2)
+    assert set(patch_trials({}, [0.1, 0.5, 0.2], project, evaluate)) == {(1, 1), (2, 1)}
     with pytest.raises(ValueError, match="patch_depths"):
         SCDFitSettings(patch_layers=(1,), patch_depths=(1, 2)).check()
     overlapping = SCDFitSettings(patch_layers=(1, 2), patch_depths=(3, 1))

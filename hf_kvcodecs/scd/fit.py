@@ -24,6 +24,7 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -79,7 +80,7 @@ class SCDFitSettings:
     max_recompute_layers: int = 16  # consumer layers recomputed over the prompt, all blocks together
     patch_layers: tuple[int, ...] | None = None  # given: these transition layers, no greedy search (for ablations)
     patch_depths: tuple[int, ...] | None = None  # with patch_layers in recompute mode: each one's depth (default 1)
-    patch_candidates: int = 6  # layers measured as Patch candidates in each greedy round
+    patch_candidates: int = 3  # layers measured at every depth (recompute) or at all (project) in each greedy round
     patch_gain: float = 0.05  # a Patch layer must lower the KL by this fraction to be kept
     ridge: float = 1e-4
     tau_range: tuple[float, float] = (1e-4, 0.5)
@@ -260,22 +261,38 @@ def _bytes_per_token(plan: list[LayerPlan], bits: int) -> float:
     return plan_bytes_per_token(plan, bits)
 
 
-def patch_candidates(patches: dict[int, int], floors: list[float], settings: SCDFitSettings) -> list[tuple[int, int]]:
-    """The ``(layer, depth)`` Patch candidates of one greedy round: the ``patch_candidates`` free layers with the
-    largest Reuse error floor, each at every depth of ``recompute_depths`` that stays clear of the blocks already
-    chosen and within ``max_recompute_layers`` (depth 1 only in ``project`` mode)."""
+def patch_trials(patches: dict[int, int], floors: list[float], settings: SCDFitSettings,
+                 evaluate: Callable[[tuple[int, int]], float]) -> dict[tuple[int, int], float]:
+    """The KL of every ``(layer, depth)`` Patch candidate one greedy round measures with ``evaluate``.
+
+    ``project`` mode: the ``patch_candidates`` free layers with the largest Reuse error floor, at depth 1.
+    ``recompute`` mode, in two stages: every free layer (every ``ceil(L / 16)``-th on deeper models) at the deepest
+    block it may start, up to the next block, the last layer and the ``max_recompute_layers`` left; then the
+    ``patch_candidates`` best of those at each shallower depth of ``recompute_depths``. Where a block should start
+    depends on where the mismatch enters, which the Reuse error floors do not show, so no start is ruled out
+    unmeasured."""
     layers = len(floors)
     taken = {index for first, depth in patches.items() for index in range(first, first + depth)}
-    free = sorted((index for index in range(layers) if index not in taken), key=lambda index: -floors[index])
+    free = [index for index in range(layers) if index not in taken]
     if settings.patch_mode == "project":
-        return [(index, 1) for index in free[:settings.patch_candidates]]
+        chosen = sorted(free, key=lambda index: -floors[index])[:settings.patch_candidates]
+        return {(index, 1): evaluate((index, 1)) for index in chosen}
     budget = settings.max_recompute_layers - sum(patches.values())
-    candidates = []
-    for index in free[:settings.patch_candidates]:
+    if budget < 1:
+        return {}
+
+    def deepest(index: int) -> int:
         room = next((first - index for first in sorted(taken) if first > index), layers - index)
-        depths = sorted({min(depth, room, budget) for depth in settings.recompute_depths if min(room, budget) >= 1})
-        candidates.extend((index, depth) for depth in depths)
-    return candidates
+        return min(room, budget)
+
+    stride = math.ceil(layers / 16)
+    trials = {(index, deepest(index)): 0.0 for index in free[::stride]}
+    trials = {candidate: evaluate(candidate) for candidate in trials}
+    for index, _ in sorted(trials, key=trials.get)[:settings.patch_candidates]:
+        for depth in sorted({min(depth, deepest(index)) for depth in settings.recompute_depths}):
+            if (index, depth) not in trials:
+                trials[(index, depth)] = evaluate((index, depth))
+    return trials
 
 
 def merged_identity(model) -> dict | None:
@@ -357,11 +374,10 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     rounds = 0 if settings.patch_layers is not None else settings.max_patch_layers
     with tqdm(total=rounds, desc="SCD patch layers", disable=not progress) as bar:
         for _ in range(rounds):
-            candidates = patch_candidates(patches, floors, settings)
-            if not candidates:
+            trials = patch_trials(patches, floors, settings, lambda candidate: judge.kl(
+                plan_for(0.0, {**patches, candidate[0]: candidate[1]}, curves), best_bits))
+            if not trials:
                 break
-            trials = {candidate: judge.kl(plan_for(0.0, {**patches, candidate[0]: candidate[1]}, curves), best_bits)
-                      for candidate in candidates}
             lowest = min(trials.values())
             # among the candidates within 2 % of the lowest KL, the one recomputing fewest layers
             chosen = min(trials, key=lambda c: (trials[c] > lowest * 1.02, c[1], trials[c]))
@@ -495,11 +511,15 @@ def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, 
             reuse_plan(p.index, maps["keys"][p.index].rank, maps["values"][p.index].rank) if p.kind == "reuse" else p
             for p in plan]
     patch = {p.index: maps[patch_kind][p.index] for p in plan if p.kind == "patch"}
+    consumer_identity = {**model_identity(consumer), "name": ""}
+    merged = merged_identity(consumer)
+    if merged is not None:  # a merge_and_unload()ed consumer is served too, as fit_knowledge_base's are
+        consumer_identity["merged_weights_sha256"] = merged["weights_sha256"]
     return SCDKnowledgeBase(plan, {p.index: maps["keys"][p.index] for p in plan if p.kind == "reuse"},
                             {p.index: maps["values"][p.index] for p in plan if p.kind == "reuse"},
                             patch if patch_mode == "project" else {}, code_bits,
                             exact_tokens, {**model_identity(producer), "name": ""},
-                            {**model_identity(consumer), "name": ""}, tokenizer_sha256(tokenizer),
+                            consumer_identity, tokenizer_sha256(tokenizer),
                             {"settings": {**asdict(settings), "patch_layers": list(patch_layers),
                                           "patch_depths": list(patch_depths or ())},
                              "statistics_tokens": moments.tokens},
