@@ -215,8 +215,8 @@ def test_payload_for_another_prompt_pair_or_version_is_refused(tiny_scd_model, e
     other_kb.save(tmp_path)
     with pytest.raises(PairMismatchError, match="knowledge base"):
         SCDTransferCache.from_payload(payload, tiny_scd_model, other_kb)
-    wrong_version = _repacked(payload, lambda manifest, sections: manifest.update(codec_version=3))
-    with pytest.raises(PayloadError, match="version 3"):
+    wrong_version = _repacked(payload, lambda manifest, sections: manifest.update(codec_version=4))
+    with pytest.raises(PayloadError, match="version 4 is not supported"):
         SCDTransferCache.from_payload(wrong_version, tiny_scd_model, exact_kb)
     with pytest.raises(PayloadError, match="max_bytes"):
         SCDTransferCache.from_payload(payload, tiny_scd_model, exact_kb, max_payload_bytes=1000)

@@ -1,5 +1,6 @@
 """The SCD wire payload: exact round trips, every refusal the reader makes, and fuzzing that shows malformed bytes
-only ever raise PayloadError."""
+only ever raise PayloadError. Format 2: the manifest lists each section's name, dtype, shape and size, and each
+section's bytes are followed by their CRC-32, so sections can be written as they are produced."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from hf_kvcodecs.scd.payload import (
     MAX_MANIFEST_BYTES,
     MAX_SECTIONS,
     PayloadError,
+    PayloadWriter,
+    SectionSpec,
     iter_payload_chunks,
     pack_payload,
     payload_summary,
@@ -49,7 +52,12 @@ def _raw_payload(manifest: object, tail: bytes = b"", **header) -> bytes:
 
 
 def _entry(name: str, dtype: str, shape: list[int], data: bytes) -> dict:
-    return {"name": name, "dtype": dtype, "shape": shape, "nbytes": len(data), "crc32": zlib.crc32(data)}
+    return {"name": name, "dtype": dtype, "shape": shape, "nbytes": len(data)}
+
+
+def _with_crc(data: bytes) -> bytes:
+    """A section on the wire: its bytes, then their CRC-32."""
+    return data + struct.pack("<I", zlib.crc32(data))
 
 
 def _random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -88,8 +96,7 @@ def test_round_trip_is_exact_for_every_dtype_and_shape(dtype_name, shape):
     assert _same_bits(tensors["t"], tensor)
     assert manifest["k"] == dtype_name
     assert manifest["sections"] == [{"name": "t", "dtype": dtype_name, "shape": list(shape),
-                                     "nbytes": tensor.numel() * tensor.element_size(),
-                                     "crc32": zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())}]
+                                     "nbytes": tensor.numel() * tensor.element_size()}]
 
 
 def test_many_sections_keep_their_order_and_the_caller_manifest_is_untouched():
@@ -111,7 +118,7 @@ def test_max_sections_is_allowed_and_one_more_is_refused():
         pack_payload({}, sections)
     entries = [_entry(f"s{i}", "uint8", [0], b"") for i in range(MAX_SECTIONS + 1)]
     with pytest.raises(PayloadError, match="4097 sections; at most 4096"):
-        unpack_payload(_raw_payload({"sections": entries}))
+        unpack_payload(_raw_payload({"sections": entries}, _with_crc(b"") * (MAX_SECTIONS + 1)))
 
 
 def test_no_sections_and_tensors_are_fresh_contiguous_cpu_copies():
@@ -138,7 +145,42 @@ def test_chunks_join_to_the_packed_payload():
     assert b"".join(chunks) == pack_payload(manifest, sections)
     assert len(chunks) == 1 + len(sections)
     assert chunks[0][:8] == MAGIC and len(chunks[0]) == 20 + struct.unpack_from("<I", chunks[0], 12)[0]
-    assert [len(chunk) for chunk in chunks[1:]] == [t.numel() * t.element_size() for t in sections.values()]
+    assert [len(chunk) for chunk in chunks[1:]] == [t.numel() * t.element_size() + 4 for t in sections.values()]
+    assert all(chunk[-4:] == struct.pack("<I", zlib.crc32(chunk[:-4])) for chunk in chunks[1:])
+
+
+def test_a_writer_sends_the_manifest_before_any_section_exists():
+    manifest, sections = _sample()
+    table = [SectionSpec(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in sections.items()]
+    writer = PayloadWriter(manifest, table)
+    assert writer.head == next(iter_payload_chunks(manifest, sections))  # written before any section is
+    chunks = [writer.head]
+    for name, tensor in sections.items():
+        chunks.append(writer.chunk(name, tensor))
+    writer.close()
+    assert b"".join(chunks) == pack_payload(manifest, sections) and writer.total_bytes == len(b"".join(chunks))
+    with pytest.raises(PayloadError, match="one more than the 5"):
+        writer.chunk("extra", torch.zeros(1))
+    fresh = PayloadWriter(manifest, table)
+    with pytest.raises(PayloadError, match="section #0 is 'positions' int64 \\[5\\]; the manifest lists 'layer0.keys'"):
+        fresh.chunk("positions", sections["positions"])
+    with pytest.raises(PayloadError, match="section #0 is 'layer0.keys' uint8 \\[2, 3, 5\\]"):
+        fresh.chunk("layer0.keys", torch.zeros(2, 3, 5, dtype=torch.uint8))
+    with pytest.raises(PayloadError, match="stops after 0 of its 5 sections"):
+        fresh.close()
+    with pytest.raises(PayloadError, match="lists section 'a' twice"):
+        PayloadWriter({}, [SectionSpec("a", torch.int8, (1,))] * 2)
+    with pytest.raises(PayloadError, match="extent"):
+        PayloadWriter({}, [SectionSpec("a", torch.int8, (0, 2**31, 2**31))])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_infinity_are_not_json_and_are_refused_both_ways(value):
+    with pytest.raises(PayloadError, match="not JSON-serialisable"):
+        pack_payload({"x": value}, {})
+    for literal in (b"NaN", b"Infinity", b"-Infinity"):
+        with pytest.raises(PayloadError, match="holds .*Infinity|holds NaN"):
+            unpack_payload(_raw_payload(b'{"sections": [], "x": ' + literal + b"}"))
 
 
 def test_read_payload_equals_unpack_and_reads_payloads_back_to_back():
@@ -240,7 +282,7 @@ def _with_section_entry(**changes) -> bytes:
     """A payload with one 40-byte section whose manifest entry is altered, the manifest CRC kept correct."""
     data = bytes(range(40))
     entry = {**_entry("layer3.keys", "int32", [10], data), **changes}
-    return _raw_payload({"sections": [entry]}, data)
+    return _raw_payload({"sections": [entry]}, _with_crc(data))
 
 
 def _header_then(manifest: bytes, tail: bytes = b"") -> bytes:
@@ -249,6 +291,7 @@ def _header_then(manifest: bytes, tail: bytes = b"") -> bytes:
 
 _DATA = bytes(range(40))
 _GOOD = _entry("a", "int32", [10], _DATA)
+_WIRE = _with_crc(_DATA)
 _CASES = {
     "bad magic": (b"NOTSCD\x00\x00" + _valid()[8:], r"not an SCD payload \(magic b'NOTSCD\\x00\\x00' != "
                   r"b'HFKVSCD\\x00'\)"),
@@ -256,10 +299,10 @@ _CASES = {
     "empty": (b"", "truncated: 0 bytes"),
     "header only partly there": (_valid()[:15], "truncated: 15 bytes, shorter than the 20-byte header"),
     "wrong version": (_raw_payload({"sections": []}, version=7),
-                      "format version 7 is not supported by this hf_kvcodecs \\(reads version 1\\); upgrade "
+                      "format version 7 is not supported by this hf_kvcodecs \\(reads version 2\\); upgrade "
                       "hf_kvcodecs on the consumer or re-encode on the producer"),
     # the version is checked before the manifest: this one is not even JSON, and its CRC is wrong
-    "wrong version before manifest": (_header(3, 0, version=2) + b"\xff\xfe\xfd", "format version 2"),
+    "wrong version before manifest": (_header(3, 0, version=1) + b"\xff\xfe\xfd", "format version 1"),
     "unknown flags": (_raw_payload({"sections": []}, flags=1), "unknown flags 0x0001"),
     "manifest too long": (_header(MAX_MANIFEST_BYTES + 1, 0) + b"{}", "manifest too long"),
     "manifest truncated": (_header(100, 0) + b"{}", "truncated: the header declares a 100-byte manifest, 2 bytes"),
@@ -275,26 +318,34 @@ _CASES = {
     "no sections key": (_raw_payload({"codec": "x"}), 'no "sections" key'),
     "sections not a list": (_raw_payload({"sections": {}}), 'must be a list, not a dict'),
     "section not an object": (_raw_payload({"sections": [3]}), "section #0 is a int"),
-    "missing name": (_raw_payload({"sections": [{k: v for k, v in _GOOD.items() if k != "name"}]}, _DATA),
+    "missing name": (_raw_payload({"sections": [{k: v for k, v in _GOOD.items() if k != "name"}]}, _WIRE),
                      r"missing \['name'\]"),
-    "unknown section key": (_raw_payload({"sections": [{**_GOOD, "offset": 0}]}, _DATA), r"unknown \['offset'\]"),
+    "unknown section key": (_raw_payload({"sections": [{**_GOOD, "offset": 0}]}, _WIRE), r"unknown \['offset'\]"),
+    # format 1 kept each section's CRC-32 in the manifest
+    "format 1 section entry": (_raw_payload({"sections": [{**_GOOD, "crc32": zlib.crc32(_DATA)}]}, _WIRE),
+                               r"unknown \['crc32'\]"),
     "empty name": (_with_section_entry(name=""), "name must be a string of 1 to 128"),
     "name not a string": (_with_section_entry(name=7), "name must be a string"),
-    "duplicate names": (_raw_payload({"sections": [_GOOD, _GOOD]}, _DATA + _DATA), "lists section 'a' twice"),
+    "duplicate names": (_raw_payload({"sections": [_GOOD, _GOOD]}, _WIRE + _WIRE), "lists section 'a' twice"),
     "bad dtype": (_with_section_entry(dtype="float64"), "dtype 'float64', which is not one of"),
     "dtype not a string": (_with_section_entry(dtype=["int32"]), "dtype \\['int32'\\]"),
     "negative dim": (_with_section_entry(shape=[-10]), "shape \\[-10\\]"),
     "too many dims": (_with_section_entry(shape=[1, 1, 1, 1, 10]), "at most 4"),
+    # an empty section, but torch could not allocate even that shape (its strides overflow)
+    "empty with a huge extent": (_with_section_entry(shape=[0, 2**31, 2**31, 2**31], nbytes=0), "extent"),
     "float dim": (_with_section_entry(shape=[10.0]), "non-negative integers"),
     "bool dim": (_with_section_entry(shape=[True]), "non-negative integers"),
     "shape not a list": (_with_section_entry(shape=10), "non-negative integers"),
     "nbytes mismatch": (_with_section_entry(nbytes=39), "declares nbytes 39, but shape \\[10\\] of int32 is 40"),
     "nbytes not an int": (_with_section_entry(nbytes="40"), "declares nbytes '40'"),
-    "crc not u32": (_with_section_entry(crc32=-1), "crc32 -1, which is not a 32-bit"),
-    "truncated": (_valid()[:-1], "payload truncated: the manifest declares 40 section bytes, 39 are present"),
-    "trailing bytes": (_valid() + b"\x00", "trailing bytes: the manifest declares 40 section bytes, 41 are present"),
+    "truncated": (_valid()[:-1], r"payload truncated: the manifest declares 44 section bytes \(with their CRC-32s\), "
+                  "43 are present"),
+    "trailing bytes": (_valid() + b"\x00", r"trailing bytes: the manifest declares 44 section bytes \(with their "
+                       r"CRC-32s\), 45 are present"),
     "section crc": (_valid()[:-1] + bytes([_valid()[-1] ^ 0x10]),
                     r"section 'layer3.keys' failed its CRC-32 check \(corrupted in transit\)"),
+    "section byte": (_valid()[:-5] + bytes([_valid()[-5] ^ 0x01]) + _valid()[-4:],
+                     r"section 'layer3.keys' failed its CRC-32 check"),
 }
 
 
@@ -320,7 +371,7 @@ def test_max_bytes_is_checked_before_the_data_is_read():
     stream = io.BytesIO(data)
     with pytest.raises(PayloadError, match=f"declares {len(data)} bytes in all, over the max_bytes limit"):
         read_payload(stream, max_bytes=len(data) - 1)
-    assert stream.tell() == len(data) - 40  # header and manifest read, no section
+    assert stream.tell() == len(data) - 44  # header and manifest read, no section
     with pytest.raises(PayloadError, match="header and manifest are .* over the max_bytes limit of 30"):
         read_payload(io.BytesIO(data), max_bytes=30)
 
@@ -358,12 +409,14 @@ def _refused(data: bytes, message: str, reader=unpack_payload):
 @pytest.mark.parametrize("data, message", [
     (_header(0xFFFFFFFF, 0) + b"\x00" * 80, "manifest too long"),
     (_header(MAX_MANIFEST_BYTES, 0) + b"\x00" * 80, "truncated"),
-    (_raw_payload({"sections": [{"name": "huge", "dtype": "int8", "shape": [2**40], "nbytes": 2**40, "crc32": 0}]},
-                  b"\x00" * 100), "declares 1099511627776 section bytes, 100 are present|max_bytes"),
-    (_raw_payload({"sections": [{"name": "huge", "dtype": "int64", "shape": [2**40] * 4, "nbytes": 2**163,
-                                 "crc32": 0}]}, b"\x00" * 100), "truncated|max_bytes"),
+    (_raw_payload({"sections": [{"name": "huge", "dtype": "int8", "shape": [2**40], "nbytes": 2**40}]},
+                  b"\x00" * 100), "declares 1099511627780 section bytes .*, 100 are present|max_bytes"),
+    (_raw_payload({"sections": [{"name": "huge", "dtype": "int64", "shape": [2**12] * 4, "nbytes": 2**51}]},
+                  b"\x00" * 100), "truncated|max_bytes"),
+    (_raw_payload({"sections": [{"name": "huge", "dtype": "int64", "shape": [2**40] * 4, "nbytes": 2**163}]},
+                  b"\x00" * 100), "extent"),
     # 8 GiB is under read_payload's default max_bytes, so only the bytes actually received can bound the reads
-    (_raw_payload({"sections": [{"name": "big", "dtype": "uint8", "shape": [2**33], "nbytes": 2**33, "crc32": 0}]},
+    (_raw_payload({"sections": [{"name": "big", "dtype": "uint8", "shape": [2**33], "nbytes": 2**33}]},
                   b"\x00" * 100), "truncated"),
 ])
 def test_huge_declared_sizes_over_a_tiny_buffer_are_refused_without_allocating(reader, data, message):
@@ -376,7 +429,8 @@ def test_huge_declared_sizes_over_a_tiny_buffer_are_refused_without_allocating(r
 # ---------------------------------------------------------------------------------------------- property-based
 
 
-_json_leaves = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8)
+_json_leaves = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8))
 _json = st.recursive(_json_leaves, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5),
                                                                                                inner, max_size=3),
                      max_leaves=8)
@@ -480,8 +534,7 @@ _entries = st.lists(
     st.fixed_dictionaries({
         "name": st.text(max_size=3) | _ANY_VALUE, "dtype": st.sampled_from([*DTYPES, "float64", "bool"]) | _ANY_VALUE,
         "shape": st.lists(st.integers(-1, 4), max_size=5) | _ANY_VALUE, "nbytes": st.integers(-1, 64) | _ANY_VALUE,
-        "crc32": st.integers(-1, 2**32) | _ANY_VALUE,
-    }, optional={"extra": _json}) | _ANY_VALUE,
+    }, optional={"extra": _json, "crc32": st.integers(-1, 2**32)}) | _ANY_VALUE,
     max_size=3)
 
 
@@ -503,7 +556,7 @@ def _damaged_payloads(draw) -> bytes:
         size = math.prod(shape) * DTYPES[dtype].itemsize
         raw = draw(st.binary(min_size=size, max_size=size))
         entries.append(_entry(name, dtype, shape, raw))
-        data += raw
+        data += _with_crc(raw)
     for _ in range(draw(st.integers(0, 2))):
         edit = draw(st.sampled_from(["field", "drop", "extra", "flip", "bytes"] if entries else ["bytes"]))
         if edit == "flip" and data:

@@ -20,9 +20,17 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..rope import find_rotary_parameters
-from .coding import consumer_angles, predict_residual, rebuild_layer, rms_dtype
-from .encode import CODEC_ID, CODEC_VERSION, READABLE_CODEC_VERSIONS, PairMismatchError, check_left_padded
-from .knowledge_base import CODE_BITS, LayerPlan, SCDKnowledgeBase, _read_plan
+from .coding import consumer_angles, predict_residual, rebuild_layer
+from .knowledge_base import LayerPlan, SCDKnowledgeBase
+from .manifest import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_TOKENS,
+    PairMismatchError,
+    PayloadLimits,
+    PayloadManifest,
+    check_tokenizer,
+    identity_mismatch,
+)
 from .model_access import (
     decoder_layers,
     model_identity,
@@ -30,10 +38,9 @@ from .model_access import (
     run_decoder_block,
     shapes,
     text_config,
-    token_ids_sha256,
     unwrapped,
 )
-from .payload import PayloadError, unpack_payload
+from .payload import unpack_payload
 
 logger = logging.getLogger(__name__)
 
@@ -60,106 +67,24 @@ def load_knowledge_base(directory: str | Path) -> SCDKnowledgeBase:
 
 
 def check_consumer(consumer, kb: SCDKnowledgeBase) -> None:
+    """Refuse a consumer that is not the one ``kb`` was fitted for: other weights, or another adapter applied (none,
+    another one active, adapters disabled, another scaling). The same consumer with its adapter merged into its
+    weights (``merge_and_unload()``) is accepted when ``kb`` records the merged weights' hash."""
     identity = model_identity(consumer)
     expected = kb.consumer
-    for key, what in (("weights_sha256", "weights"), ("adapter_sha256", "LoRA adapter")):
-        if expected.get(key) == identity[key]:
-            continue
-        if expected.get("merged_weights_sha256") == identity["weights_sha256"] and identity["adapter_sha256"] is None:
-            return  # the same consumer with its adapter merged into the weights
-        raise PairMismatchError(
-            f"This consumer's {what} (sha256 {str(identity[key])[:12]}) differ from those the knowledge base was "
-            f"fitted for ({str(expected.get(key))[:12]}, model {expected.get('name')!r}); fit a knowledge base for this "
-            "consumer with `hf-kvcodecs scd fit --consumer ...`.")
+    problem = identity_mismatch(identity, expected, "consumer")
+    if problem is None:
+        return
+    if expected.get("merged_weights_sha256") == identity["weights_sha256"] and identity["adapter_sha256"] is None:
+        return  # the same consumer with its adapter merged into the weights
+    raise PairMismatchError(f"{problem}; fit a knowledge base for this consumer with `hf-kvcodecs scd fit "
+                            "--consumer ...`.")
 
 
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise PayloadError(message)
-
-
-def _check_manifest(manifest: dict, sections: dict[str, torch.Tensor], kb: SCDKnowledgeBase) -> list[LayerPlan]:
-    _expect(manifest.get("codec") == CODEC_ID, f"This payload's codec is {manifest.get('codec')!r}, not SCD's "
-            f"{CODEC_ID!r}.")
-    version = manifest.get("codec_version")
-    _expect(type(version) is int and version in READABLE_CODEC_VERSIONS,
-            f"SCD codec version {version!r} is not supported (this hf_kvcodecs reads {CODEC_VERSION}); upgrade "
-            "hf_kvcodecs on the consumer or re-encode on the producer.")
-    if manifest.get("knowledge_base") != kb.save_id:
-        raise PairMismatchError(f"The payload was coded with knowledge base {manifest.get('knowledge_base')!r}; this "
-                                f"one is {kb.save_id!r}. Use the knowledge base the producer used.")
-    for side in ("producer", "consumer"):
-        named = manifest.get(side) if isinstance(manifest.get(side), dict) else {}
-        for key, what in (("weights_sha256", "weights"), ("adapter_sha256", "LoRA adapter")):
-            if named.get(key) != getattr(kb, side).get(key):
-                raise PairMismatchError(f"The payload names a {side} whose {what} differ from the knowledge base's "
-                                        f"({str(named.get(key))[:12]} != {str(getattr(kb, side).get(key))[:12]}).")
-    if manifest.get("tokenizer_sha256") != kb.tokenizer_sha256:
-        raise PairMismatchError("The payload was tokenized with another tokenizer than the knowledge base's.")
-    for key in ("batch", "tokens", "exact_columns", "code_bits"):
-        _expect(type(manifest.get(key)) is int and manifest[key] >= 0, f"The payload's {key} must be a non-negative "
-                f"integer, got {manifest.get(key)!r}.")
-    batch, tokens, exact = manifest["batch"], manifest["tokens"], manifest["exact_columns"]
-    _expect(batch >= 1 and tokens >= 1 and exact <= tokens, f"Inconsistent payload sizes: batch {batch}, tokens "
-            f"{tokens}, exact columns {exact}.")
-    bits = manifest["code_bits"]
-    _expect(bits in CODE_BITS and bits >= kb.code_bits, f"The payload's codes are {bits}-bit; this knowledge base "
-            f"decodes {kb.code_bits}-bit codes or finer.")
-    try:
-        plan = _read_plan(manifest.get("layers"))
-    except ValueError as error:
-        raise PayloadError(f"The payload's layer table is malformed: {error}.") from None
-    _expect(len(plan) == kb.num_layers, f"The payload has {len(plan)} layers; the knowledge base {kb.num_layers}.")
-    coded = tokens - exact
-    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-        "input.attention_mask": ((batch, tokens), torch.uint8),
-        "input.exact_token_ids": ((batch, exact), torch.int64),
-    }
-    for carried, fitted in zip(plan, kb.plan):
-        _expect(carried.index == fitted.index, f"The payload's layer table lists layer {carried.index} where the "
-                f"knowledge base has layer {fitted.index}.")
-        _expect((carried.kind, carried.patch_mode, carried.depth) == (fitted.kind, fitted.patch_mode, fitted.depth),
-                f"Layer {carried.index} is {_describe(carried)} in the payload but {_describe(fitted)} in the "
-                "knowledge base.")
-        if carried.kind == "recomputed":
-            continue
-        ranks = ((carried.key_rank, fitted.key_rank, "key"), (carried.value_rank, fitted.value_rank, "value")) \
-            if carried.kind == "reuse" else ((carried.patch_rank, fitted.patch_rank, "patch"),)
-        for rank, limit, name in ranks:
-            _expect(1 <= rank <= limit or (rank == 0 == limit), f"Layer {carried.index} carries {name} rank {rank}; "
-                    f"the knowledge base decodes 1..{limit}.")
-            if coded == 0:
-                continue
-            width = rank if bits != 4 else (rank + 1) // 2
-            code_dtype = {4: torch.uint8, 8: torch.int8, 16: torch.float16, 32: torch.float32}[bits]
-            expected[f"layers.{carried.index}.{name}_codes"] = ((batch, coded, width), code_dtype)
-            if bits < 16:
-                expected[f"layers.{carried.index}.{name}_scales"] = ((batch, coded), torch.float16)
-        if carried.recomputes and coded:
-            expected[f"layers.{carried.index}.patch_rms"] = ((batch, coded), rms_dtype(bits))
-    unexpected = sorted(set(sections) - set(expected))
-    missing = sorted(set(expected) - set(sections))
-    _expect(not missing and not unexpected, f"The payload's sections do not match its manifest (missing: "
-            f"{missing[:5]}, unexpected: {unexpected[:5]}).")
-    for name, (shape, dtype) in expected.items():
-        tensor = sections[name]
-        _expect(tuple(tensor.shape) == shape and tensor.dtype == dtype, f"Section {name!r} is {tensor.dtype} "
-                f"{tuple(tensor.shape)}; the manifest implies {dtype} {shape}.")
-        if tensor.is_floating_point():
-            _expect(bool(torch.isfinite(tensor).all()), f"Section {name!r} holds non-finite values.")
-    mask = sections["input.attention_mask"]
-    _expect(bool(((mask == 0) | (mask == 1)).all()), "The payload's attention mask must hold only 0 and 1.")
-    try:
-        check_left_padded(mask)
-    except ValueError as error:
-        raise PayloadError(f"The payload's attention mask is invalid: {error}") from None
-    return plan
-
-
-def _describe(layer: LayerPlan) -> str:
-    if layer.kind != "patch":
-        return repr(layer.kind)
-    return f"a {layer.patch_mode} Patch layer of depth {layer.depth}"
+def _vocab_size(model) -> int:
+    embeddings = unwrapped(model).get_input_embeddings()
+    weight = getattr(embeddings, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(text_config(model).vocab_size)
 
 
 @torch.inference_mode()
@@ -231,72 +156,110 @@ class SCDTransferCache(DynamicCache):
 
     ``transfer_report`` holds what the rebuild cost: payload bytes and bytes per token, and the seconds spent
     checking and unpacking, recomputing the exact (sink) tokens, decoding Reuse layers and projecting Patch layers.
+    ``payload_manifest`` is the payload's validated manifest: ``generate()`` checks its prompt against it (see
+    :meth:`check_generate_prompt`), so the cache serves only the prompt the payload was encoded for.
     """
 
     transfer_report: dict
+    payload_manifest: PayloadManifest | None = None
+    prompt_attention_mask: torch.Tensor | None = None
 
     @classmethod
     @torch.inference_mode()
     def from_payload(cls, payload: bytes | bytearray | memoryview, consumer, kb: SCDKnowledgeBase | str | Path, *,
-                     input_ids: torch.Tensor | None = None, max_payload_bytes: int = 1 << 34,
-                     expand: int = 1) -> SCDTransferCache:
+                     input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                     tokenizer=None, max_tokens: int = DEFAULT_MAX_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
+                     max_payload_bytes: int | None = None, expand: int = 1) -> SCDTransferCache:
         """Rebuild the consumer's cache for the payload's prompt.
 
-        Pass the prompt's ``input_ids`` (with generate()'s ``attention_mask`` convention, left-padded) to have the
-        payload checked against it; ``generate(input_ids, attention_mask=..., cache=this)`` must then be given the
-        same prompt followed by at least one token it has not seen (typically the question or the prompt's last
-        token, which the producer leaves out).
+        Everything is checked before any state is built: the consumer is the one ``kb`` was fitted for (weights and
+        the adapter it applies now), ``kb`` is saved and is the one the payload names, ``tokenizer`` (optional) is
+        the knowledge base's, the payload is well formed and within the limits, and its exact columns are the ones
+        ``kb`` makes. Each refusal raises ``PayloadError``, ``PairMismatchError`` or ``KnowledgeBaseError`` naming
+        what differs and the fix.
+
+        Limits: a payload may ask for at most ``max_batch`` prompts (default 16) of at most ``max_tokens`` tokens
+        (default 32768); the rebuild's work and memory grow with ``batch * tokens``, whatever the payload's size.
+        ``max_payload_bytes`` defaults to the largest payload ``kb`` writes within those limits.
+
+        The payload is bound to its prompt: ``generate()`` refuses a prompt whose first tokens (ids and attention
+        mask) are not the payload's (through hf_kvcodecs' transformers integration), and so does this method when
+        given the prompt's ``input_ids`` (with ``attention_mask``, else the payload's own mask). ``generate(input_ids,
+        attention_mask=..., cache=this)`` must be given that prompt followed by at least one token it does not cover
+        (typically the prompt's last token, which the producer leaves out).
 
         ``expand`` repeats every row that many times, as ``generate()`` expands its inputs for beam search
         (``num_beams``) or several samples (``num_return_sequences``): it does not expand a cache it is given.
         """
         started = time.perf_counter()
+        if type(expand) is not int or expand < 1:
+            raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
+        limits = PayloadLimits(max_batch, max_tokens)
         if not isinstance(kb, SCDKnowledgeBase):
             kb = load_knowledge_base(kb)
+        kb.identity()  # KnowledgeBaseError: an unsaved knowledge base cannot tell which payloads are its own
         check_consumer(consumer, kb)
-        manifest, sections = unpack_payload(payload, max_bytes=max_payload_bytes)
-        plan = _check_manifest(manifest, sections, kb)
+        check_tokenizer(tokenizer, kb, "consumer")
+        model_shapes = shapes(consumer)
+        if model_shapes.layers != kb.num_layers:
+            raise PairMismatchError(f"The consumer has {model_shapes.layers} layers; the knowledge base plans "
+                                    f"{kb.num_layers}.")
+        max_bytes = limits.max_payload_bytes(kb) if max_payload_bytes is None else max_payload_bytes
+        # The manifest, its section table included, is validated before any section becomes a tensor.
+        raw, sections = unpack_payload(payload, max_bytes=max_bytes,
+                                       check=lambda raw, table: PayloadManifest.parse(raw, kb, limits=limits))
+        manifest = PayloadManifest.parse(raw, kb, sections, limits=limits, vocab_size=_vocab_size(consumer))
+        plan = list(manifest.layers)
         mask = sections["input.attention_mask"].long()
         if input_ids is not None:
-            ids = input_ids if input_ids.ndim == 2 else input_ids[None]
-            if ids.shape[0] != mask.shape[0] or ids.shape[1] < mask.shape[1]:
-                raise PairMismatchError(f"The payload covers a prompt of {tuple(mask.shape)} tokens; input_ids has "
-                                        f"shape {tuple(ids.shape)}.")
-            if token_ids_sha256(ids[:, :mask.shape[1]], mask) != manifest.get("token_ids_sha256"):
-                raise PairMismatchError("The payload was encoded for another prompt (its token-id hash differs from "
-                                        "these input_ids' first tokens and attention mask).")
-        model_shapes = shapes(consumer)
-        if model_shapes.layers != len(plan):
-            raise PairMismatchError(f"The consumer has {model_shapes.layers} layers; the payload {len(plan)}.")
+            manifest.check_prompt(input_ids, attention_mask, payload_mask=mask)
         unpacked = time.perf_counter()
         cache = cls(config=text_config(consumer))
-        seconds = rebuild_into(cache, consumer, kb, plan, sections, manifest["code_bits"])
+        seconds = rebuild_into(cache, consumer, kb, plan, sections, manifest.code_bits)
+        payload_bytes = memoryview(payload).nbytes
         cache.transfer_report = {
-            "payload_bytes": len(payload), "tokens": int(mask.numel()),
-            "bytes_per_token": len(payload) / max(int(mask.numel()), 1),
+            "payload_bytes": payload_bytes, "tokens": int(mask.numel()),
+            "bytes_per_token": payload_bytes / max(int(mask.numel()), 1),
             "unpack_seconds": unpacked - started, "exact_seconds": seconds["exact"],
             "reuse_seconds": seconds["reuse"], "patch_seconds": seconds["patch"],
             "recompute_seconds": seconds["recompute"],
-            "total_seconds": time.perf_counter() - started, "exact_columns": manifest["exact_columns"],
+            "total_seconds": time.perf_counter() - started, "exact_columns": manifest.exact_columns,
             "patch_layers": [layer.index for layer in plan if layer.kind == "patch"],
             "recompute_blocks": [[layer.index, layer.depth] for layer in plan if layer.recomputes],
         }
+        cache.payload_manifest = manifest
         cache.prompt_attention_mask = mask
         if expand != 1:
-            if type(expand) is not int or expand < 1:
-                raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
             cache.batch_repeat_interleave(expand)
         return cache
 
+    def check_generate_prompt(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None = None) -> None:
+        """Refuse a ``generate()`` prompt this cache was not rebuilt for. hf_kvcodecs' transformers integration calls
+        it before generation starts, with generate()'s ``input_ids`` (as given, before any beam expansion) and its
+        attention mask (None when generate() found no padding): the first ``tokens`` columns must be the payload's
+        prompt, and at least one more token must follow. Raises ``PairMismatchError``."""
+        if self.payload_manifest is None:
+            return
+        if input_ids is None:
+            raise PairMismatchError("generate() got no input_ids (inputs_embeds only?), so the SCD payload cannot be "
+                                    "checked against its prompt; pass the prompt's token ids.")
+        self.payload_manifest.check_prompt(input_ids, attention_mask, payload_mask=self.prompt_attention_mask,
+                                           new_tokens=1, what="generate()'s input_ids")
+
     @classmethod
-    def for_generate(cls, model, *, payload=None, knowledge_base=None, input_ids=None, expand=1,
-                     **unknown) -> SCDTransferCache:
+    def for_generate(cls, model, *, payload=None, knowledge_base=None, input_ids=None, attention_mask=None,
+                     tokenizer=None, expand=1, max_tokens=DEFAULT_MAX_TOKENS, max_batch=DEFAULT_MAX_BATCH,
+                     max_payload_bytes=None, **unknown) -> SCDTransferCache:
         """``generate(cache_implementation="scd", cache_config={"payload": bytes, "knowledge_base": kb_or_dir})``;
-        add ``"expand": num_beams`` for beam search."""
+        add ``"expand": num_beams`` for beam search, and ``max_tokens`` / ``max_batch`` / ``max_payload_bytes`` /
+        ``tokenizer`` as :meth:`from_payload` takes them. generate() checks its prompt against the payload."""
         if unknown:
             raise ValueError(f"Unknown cache_config keys for cache_implementation='scd': {sorted(unknown)}; it takes "
-                             "payload, knowledge_base and (optionally) input_ids and expand.")
+                             "payload, knowledge_base and (optionally) input_ids, attention_mask, tokenizer, expand, "
+                             "max_tokens, max_batch and max_payload_bytes.")
         if payload is None or knowledge_base is None:
             raise ValueError("cache_implementation='scd' needs cache_config={'payload': <bytes from "
                              "hf_kvcodecs.scd.encode>, 'knowledge_base': <SCDKnowledgeBase or its directory>}.")
-        return cls.from_payload(payload, model, knowledge_base, input_ids=input_ids, expand=expand)
+        return cls.from_payload(payload, model, knowledge_base, input_ids=input_ids, attention_mask=attention_mask,
+                                tokenizer=tokenizer, expand=expand, max_tokens=max_tokens, max_batch=max_batch,
+                                max_payload_bytes=max_payload_bytes)

@@ -1,65 +1,50 @@
-"""The producer's side: prefill a prompt, code every layer with the knowledge base, and pack one payload.
+"""The producer's side: prefill a prompt, code every layer with the knowledge base, and write one payload.
 
-The payload binds what it was made from: the knowledge base's save id, the producer's and the intended consumer's
-weight and adapter hashes, the tokenizer's hash and a hash of the prompt's token ids (with its attention mask), so a
-consumer can refuse a payload that is not for it and say which part differs.
+The payload's manifest (:class:`~hf_kvcodecs.scd.manifest.PayloadManifest`) binds what it was made from: the knowledge
+base's save id, the producer's and the intended consumer's weight and active-adapter hashes, the tokenizer's hash and
+a hash of the prompt's token ids (with its attention mask), so a consumer can refuse a payload that is not for it and
+say which part differs. The manifest, with every section's shape, is known before the prefill runs, so
+:func:`encode_to` writes it first and then each layer's sections as soon as the prefill has produced them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ..codecs.lowrank import pack_int4, unpack_int4
 from .coding import encode_layer
-from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase, _read_plan
-from .model_access import LayerCapture, model_identity, prefill_with_taps, shapes, token_ids_sha256, tokenizer_sha256
-from .payload import iter_payload_chunks, pack_payload, unpack_payload
+from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase
+from .manifest import (
+    CODEC_ID,
+    CODEC_VERSION,
+    READABLE_CODEC_VERSIONS,
+    PairMismatchError,
+    PayloadManifest,
+    check_left_padded,
+    check_tokenizer,
+    exact_columns,
+    identity_mismatch,
+)
+from .model_access import LayerCapture, model_identity, prefill_with_taps, shapes
+from .payload import PayloadError, SectionSpec, unpack_payload
 
-CODEC_ID = "hf_kvcodecs.scd.reuse_patch"
-CODEC_VERSION = 2
-READABLE_CODEC_VERSIONS = (1, 2)  # version 1 carried projection-only Patch layers only
-
-
-class PairMismatchError(ValueError):
-    """A model, adapter, tokenizer or prompt is not the one a knowledge base or payload was made for."""
-
-
-def check_left_padded(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The number of left-padding columns per row; refuses a mask with padding anywhere else."""
-    if attention_mask.ndim != 2:
-        raise ValueError(f"attention_mask must be [batch, tokens], got shape {tuple(attention_mask.shape)}.")
-    mask = attention_mask.to(torch.long)
-    if not ((mask == 0) | (mask == 1)).all():
-        raise ValueError("attention_mask must hold only 0 and 1.")
-    if (mask[:, 1:] < mask[:, :-1]).any():
-        raise ValueError("SCD needs left padding (zeros only before a row's tokens), as generate() uses for "
-                         "decoder-only models: set tokenizer.padding_side = 'left'.")
-    if (mask.sum(1) == 0).any():
-        raise ValueError("A row of the batch has no tokens (its attention_mask is all zeros).")
-    return (mask == 0).sum(1)
-
-
-def exact_columns(attention_mask: torch.Tensor, exact_tokens: int) -> int:
-    """The leading columns the consumer computes itself: every row's first ``exact_tokens`` real tokens (attention
-    sinks, which low-rank codes reconstruct worst), plus the left padding before them. They are causal, so the
-    consumer's own states for them are exact."""
-    pads = check_left_padded(attention_mask)
-    return min(int(pads.max()) + int(exact_tokens), attention_mask.shape[1])
+__all__ = [
+    "CODEC_ID", "CODEC_VERSION", "READABLE_CODEC_VERSIONS", "EncodeReport", "PairMismatchError", "check_left_padded",
+    "check_producer", "encode", "encode_sections", "encode_stream", "encode_to", "encode_with_report",
+    "exact_columns", "truncate_payload", "truncate_payload_plan",
+]
 
 
 def check_producer(producer, kb: SCDKnowledgeBase) -> dict:
     identity = model_identity(producer)
-    expected = kb.producer
-    for key, what in (("weights_sha256", "weights"), ("adapter_sha256", "LoRA adapter")):
-        if expected.get(key) != identity[key]:
-            raise PairMismatchError(
-                f"The producer's {what} (sha256 {str(identity[key])[:12]}) differ from those the knowledge base was "
-                f"fitted for ({str(expected.get(key))[:12]}, model {expected.get('name')!r}); fit a knowledge base for this "
-                "producer with `hf-kvcodecs scd fit`.")
+    problem = identity_mismatch(identity, kb.producer, "producer")
+    if problem is not None:
+        raise PairMismatchError(f"{problem}; fit a knowledge base for this producer with `hf-kvcodecs scd fit`.")
     return identity
 
 
@@ -75,57 +60,86 @@ class EncodeReport:
         return self.payload_bytes / max(self.tokens, 1)
 
 
-@torch.inference_mode()
-def encode_sections(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, *,
-                    attention_mask: torch.Tensor | None = None, tokenizer=None, code_bits: int | None = None,
-                    ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The manifest and sections of the payload for ``input_ids`` ``[B, T]`` (or ``[T]``)."""
+def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest: Callable[[PayloadManifest], None],
+            on_section: Callable[[str, torch.Tensor], None], *, attention_mask: torch.Tensor | None = None,
+            tokenizer=None, code_bits: int | None = None) -> PayloadManifest:
+    """Check the inputs and the pair, call ``on_manifest`` with the payload's manifest before the prefill, then
+    ``on_section(name, cpu_tensor)`` for every section in wire order, each as soon as the prefill produced it."""
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     if input_ids.ndim != 2 or input_ids.shape[1] < 1 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be integer token ids [batch, tokens], got {input_ids.dtype} "
                          f"{tuple(input_ids.shape)}.")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.reshape(input_ids.shape)
-    if tokenizer is not None and kb.tokenizer_sha256 is not None and tokenizer_sha256(tokenizer) != kb.tokenizer_sha256:
-        raise PairMismatchError("The producer's tokenizer is not the one the knowledge base was fitted with; the "
-                                "token ids would mean different text to the consumer.")
+    check_tokenizer(tokenizer, kb, "producer")
     bits = code_bits or kb.code_bits
     if bits not in CODE_BITS:
         raise ValueError(f"code_bits must be one of {CODE_BITS}, got {bits}.")
     if bits < kb.code_bits:
         raise KnowledgeBaseError(f"This knowledge base's plan was chosen for {kb.code_bits}-bit codes; coding at "
                                  f"{bits} bits would exceed its quality budget. Fit one for {bits}-bit codes.")
+    kb.identity()  # an unsaved knowledge base is refused before the prefill: a payload must name its save
     identity = check_producer(producer, kb)
     model_shapes = shapes(producer)
     if model_shapes.layers != kb.num_layers:
         raise KnowledgeBaseError(f"The knowledge base plans {kb.num_layers} layers; the producer has "
                                  f"{model_shapes.layers}.")
-    start = exact_columns(mask, kb.exact_tokens)
-    sections: dict[str, torch.Tensor] = {
-        "input.attention_mask": mask.to(torch.uint8).cpu(),
-        "input.exact_token_ids": input_ids[:, :start].to(torch.int64).cpu(),
-    }
-    layer_sections: dict[int, dict[str, torch.Tensor]] = {}
+    manifest = PayloadManifest.for_prompt(kb, identity, input_ids, mask, bits)
+    start = manifest.exact_columns
+    by_layer: dict[int, list[SectionSpec]] = {}
+    for spec in manifest.section_table()[2:]:
+        by_layer.setdefault(int(spec.name.split(".")[1]), []).append(spec)
+    on_manifest(manifest)
+    on_section("input.attention_mask", mask.to(torch.uint8).cpu())
+    on_section("input.exact_token_ids", input_ids[:, :start].to(torch.int64).cpu())
     plan = kb.plan
 
     def on_layer(capture: LayerCapture) -> None:
-        if start < input_ids.shape[1]:
-            layer_sections[capture.index] = {name: tensor.cpu() for name, tensor in
-                                             encode_layer(capture, plan[capture.index], kb, start, bits).items()}
+        if start >= input_ids.shape[1]:
+            return
+        produced = encode_layer(capture, plan[capture.index], kb, start, bits)
+        for spec in by_layer.get(capture.index, []):
+            if spec.name not in produced:
+                raise PayloadError(f"Layer {capture.index}'s coder produced no section {spec.name!r}, which the "
+                                   "manifest lists.")
+            on_section(spec.name, produced.pop(spec.name).cpu())
+        if produced:
+            raise PayloadError(f"Layer {capture.index}'s coder produced sections {sorted(produced)} the manifest does "
+                               "not list.")
 
     prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.input_layers),
                       residuals_of=set(kb.residual_layers))
-    for index in range(kb.num_layers):
-        sections.update(layer_sections.get(index, {}))
-    manifest = {
-        "codec": CODEC_ID, "codec_version": CODEC_VERSION, "knowledge_base": kb.identity(),
-        "producer": {"weights_sha256": identity["weights_sha256"], "adapter_sha256": identity["adapter_sha256"]},
-        "consumer": {"weights_sha256": kb.consumer.get("weights_sha256"),
-                     "adapter_sha256": kb.consumer.get("adapter_sha256")},
-        "tokenizer_sha256": kb.tokenizer_sha256, "token_ids_sha256": token_ids_sha256(input_ids, mask),
-        "batch": int(input_ids.shape[0]), "tokens": int(input_ids.shape[1]), "exact_columns": int(start),
-        "code_bits": int(bits), "layers": [layer.to_dict() for layer in plan],
-    }
+    return manifest
+
+
+@torch.inference_mode()
+def encode_to(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, write: Callable[[bytes], object],
+              **options) -> PayloadManifest:
+    """Prefill ``input_ids`` on ``producer`` and write the payload through ``write`` (e.g. ``socket.sendall``) as it
+    is produced: the header and manifest before the prefill runs, the prompt's sections, then each layer's sections
+    (codes, scales, and a recompute Patch layer's RMS, each followed by its CRC-32) as soon as that layer has run.
+    ``b"".join`` of what was written is :func:`encode`'s payload. Returns the manifest. Takes :func:`encode`'s
+    options; every check that can refuse the inputs runs before the first write."""
+    writer = None
+
+    def on_manifest(manifest: PayloadManifest) -> None:
+        nonlocal writer
+        writer = manifest.writer()
+        write(writer.head)
+
+    manifest = _encode(producer, input_ids, kb, on_manifest, lambda name, tensor: write(writer.chunk(name, tensor)),
+                       **options)
+    writer.close()
+    return manifest
+
+
+@torch.inference_mode()
+def encode_sections(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, **options,
+                    ) -> tuple[PayloadManifest, dict[str, torch.Tensor]]:
+    """The manifest and sections (CPU tensors, in wire order) of the payload for ``input_ids`` ``[B, T]`` (or
+    ``[T]``); ``manifest.pack(sections)`` is :func:`encode`'s payload."""
+    sections: dict[str, torch.Tensor] = {}
+    manifest = _encode(producer, input_ids, kb, lambda manifest: None, sections.__setitem__, **options)
     return manifest, sections
 
 
@@ -133,26 +147,33 @@ def encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, *, attention
            tokenizer=None, code_bits: int | None = None) -> bytes:
     """Prefill ``input_ids`` on ``producer`` and return the SCD payload for the consumer ``kb`` was fitted for.
 
-    The consumer rebuilds its cache with :meth:`~hf_kvcodecs.scd.SCDTransferCache.from_payload`; ``len(payload) /
-    input_ids.shape[-1]`` is the bytes per token on the wire (see :func:`encode_with_report`)."""
-    return pack_payload(*encode_sections(producer, input_ids, kb, attention_mask=attention_mask,
-                                         tokenizer=tokenizer, code_bits=code_bits))
+    ``kb`` must be saved (a payload names its save). Pass ``tokenizer`` to have it checked against the knowledge
+    base's (a knowledge base fitted without one refuses the check). The consumer rebuilds its cache with
+    :meth:`~hf_kvcodecs.scd.SCDTransferCache.from_payload`; ``len(payload) / input_ids.shape[-1]`` is the bytes per
+    token on the wire (see :func:`encode_with_report`)."""
+    chunks: list[bytes] = []
+    encode_to(producer, input_ids, kb, chunks.append, attention_mask=attention_mask, tokenizer=tokenizer,
+              code_bits=code_bits)
+    return b"".join(chunks)
 
 
 def encode_with_report(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, **options) -> tuple[bytes, EncodeReport]:
     started = time.perf_counter()
-    manifest, sections = encode_sections(producer, input_ids, kb, **options)
-    payload = pack_payload(manifest, sections)
-    report = EncodeReport(manifest["tokens"] * manifest["batch"],
-                          (manifest["tokens"] - manifest["exact_columns"]) * manifest["batch"], len(payload),
+    chunks: list[bytes] = []
+    manifest = encode_to(producer, input_ids, kb, chunks.append, **options)
+    payload = b"".join(chunks)
+    report = EncodeReport(manifest.tokens * manifest.batch, manifest.coded_tokens * manifest.batch, len(payload),
                           time.perf_counter() - started)
     return payload, report
 
 
 def encode_stream(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, **options) -> Iterator[bytes]:
-    """The payload as chunks (header and manifest, then one chunk per section, layers in order), for a sender that
-    writes each to a socket as it goes; ``b"".join`` of them is :func:`encode`'s payload."""
-    return iter_payload_chunks(*encode_sections(producer, input_ids, kb, **options))
+    """The payload as chunks (header and manifest, then one chunk per section with its CRC-32, layers in order);
+    ``b"".join`` of them is :func:`encode`'s payload. The prefill has run when this returns; to send each chunk as it
+    is produced, use :func:`encode_to`."""
+    chunks: list[bytes] = []
+    encode_to(producer, input_ids, kb, chunks.append, **options)
+    return iter(chunks)
 
 
 def truncate_payload_plan(plan: list[LayerPlan], fraction: float) -> list[LayerPlan]:
@@ -171,13 +192,13 @@ def truncate_payload_plan(plan: list[LayerPlan], fraction: float) -> list[LayerP
 def truncate_payload(payload: bytes, fraction: float) -> bytes:
     """A smaller payload that keeps only the leading ``fraction`` of every code's components: what a sender does to
     fit a bandwidth budget (or what a receiver decodes when the rest has not arrived). PCA codes are ordered, so the
-    consumer decodes the prefix with the same knowledge base, least-squares optimally."""
-    manifest, sections = unpack_payload(payload)
-    manifest.pop("sections")
-    bits = manifest["code_bits"]
-    old_plan = _read_plan(manifest["layers"])
-    new_plan = truncate_payload_plan(old_plan, fraction)
-    for old, new in zip(old_plan, new_plan):
+    consumer decodes the prefix with the same knowledge base, least-squares optimally: a documented partial decode,
+    whose manifest says which ranks it carries (the consumer accepts any rank from 1 to the knowledge base's)."""
+    raw, sections = unpack_payload(payload)
+    manifest = PayloadManifest.read(raw)
+    bits = manifest.code_bits
+    new_plan = truncate_payload_plan(list(manifest.layers), fraction)
+    for old, new in zip(manifest.layers, new_plan):
         names = (("key", old.key_rank, new.key_rank), ("value", old.value_rank, new.value_rank)) \
             if old.kind == "reuse" else (("patch", old.patch_rank, new.patch_rank),)
         for name, rank, kept in names:
@@ -189,5 +210,4 @@ def truncate_payload(payload: bytes, fraction: float) -> bytes:
                 sections[key] = pack_int4(unpack_int4(codes, rank)[..., :kept])
             else:
                 sections[key] = codes[..., :kept].contiguous()
-    manifest["layers"] = [layer.to_dict() for layer in new_plan]
-    return pack_payload(manifest, sections)
+    return dataclasses.replace(manifest, layers=tuple(new_plan)).pack(sections)

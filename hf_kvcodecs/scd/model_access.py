@@ -75,31 +75,134 @@ def shapes(model) -> Shapes:
 
 
 _IDENTITIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REMEMBERED_STATES = 4  # identities kept per model (e.g. two adapters switched back and forth)
+_SAMPLES_PER_TENSOR = 16
+_SAMPLE_INDEX: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _tuner_layers(inner: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """peft's adapter-carrying modules (LoRA layers, ``modules_to_save`` wrappers) by their qualified name."""
+    return {name: module for name, module in inner.named_modules()
+            if isinstance(getattr(module, "adapter_layer_names", None), tuple) and hasattr(module, "active_adapters")}
+
+
+def _live_adapters(module: torch.nn.Module) -> tuple[str, ...]:
+    """The adapters a tuner layer applies in its forward: none while disabled, and none that are merged into the
+    base weights already (those are part of the weights)."""
+    if getattr(module, "disable_adapters", False):
+        return ()
+    active = module.active_adapters
+    active = [active] if isinstance(active, str) else list(active or ())
+    merged = set(getattr(module, "merged_adapters", None) or ())
+    return tuple(name for name in active if name not in merged)
+
+
+def _split_state(inner: torch.nn.Module) -> tuple[dict, dict, dict[str, torch.nn.Module], dict[str, tuple[str, ...]]]:
+    """The model's state split into base tensors and the tensors of the adapters its forward applies (those of adapters
+    loaded but not applied, being inactive, disabled or merged, are left out of both); the tuner layers, and each
+    one's live adapters."""
+    tuners = _tuner_layers(inner)
+    live = {name: _live_adapters(module) for name, module in tuners.items()}
+    owners = {f"{name}.{layer}" if name else layer: name for name, module in tuners.items()
+              for layer in module.adapter_layer_names}
+    base, active = {}, {}
+    for key, tensor in inner.state_dict(keep_vars=True).items():
+        parts = key.split(".")
+        owner = next((i for i in range(1, len(parts) - 1) if ".".join(parts[:i]) in owners), None) if owners else None
+        if owner is None:
+            base[key] = tensor
+        elif parts[owner] in live[owners[".".join(parts[:owner])]]:
+            active[key] = tensor
+    return base, active, tuners, live
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor (created under torch.inference_mode) has no version counter
+        return -1
+
+
+def _fingerprint(tensors: dict[str, torch.Tensor]) -> tuple:
+    """A cheap stand-in for the tensors' contents: each one's storage, version counter (bumped by every in-place
+    change autograd sees: optimizer steps, ``copy_``, ``load_state_dict``), dtype and shape, and the values of a few
+    elements spread over it (which catch most changes made through ``.data``, which leaves the counter alone)."""
+    facts, samples = [], []
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        facts.append((name, tensor.device.type, tensor.data_ptr() if tensor.device.type != "meta" else 0,
+                      _version(tensor), tensor.dtype, tuple(tensor.shape)))
+        if tensor.numel() and tensor.device.type != "meta":
+            flat = tensor.reshape(-1)
+            key = (flat.numel(), flat.device)
+            if key not in _SAMPLE_INDEX:
+                count = min(_SAMPLES_PER_TENSOR, flat.numel())
+                if len(_SAMPLE_INDEX) > 4096:
+                    _SAMPLE_INDEX.clear()
+                _SAMPLE_INDEX[key] = (torch.arange(count, dtype=torch.int64) * (flat.numel() - 1)
+                                      // max(count - 1, 1)).to(flat.device)
+            samples.append(flat[_SAMPLE_INDEX[key]].to(torch.float64))
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for sample in samples:
+        by_device.setdefault(sample.device, []).append(sample)
+    values = b"".join(torch.cat(group).cpu().numpy().tobytes() for group in by_device.values())
+    return tuple(facts), values
+
+
+def _sha256(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(tensors.items()):
+        clean = name.replace(".base_layer", "")
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{clean}|{data.dtype}|{tuple(data.shape)}".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def _scaling_sha256(tuners: dict[str, torch.nn.Module], live: dict[str, tuple[str, ...]]) -> str | None:
+    """SHA-256 of each live adapter's per-layer scaling (LoRA's ``lora_alpha / r``, or what ``set_scale`` made it):
+    not a tensor, so not in the adapter's weight hash, but it changes what the adapter does."""
+    entries = []
+    for name, adapters in sorted(live.items()):
+        scaling = getattr(tuners[name], "scaling", None)
+        for adapter in adapters:
+            value = scaling.get(adapter) if isinstance(scaling, dict) else None
+            entries.append([name, adapter, repr(value)])
+    if not entries:
+        return None
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
 def model_identity(model) -> dict:
-    """``{"weights_sha256", "adapter_sha256", "fingerprint"}``: SHA-256 of the base weights (adapter parameters
-    excluded, names as in the plain model) and of the adapter's parameters (None without one).
+    """What a model is, for binding knowledge bases and payloads to it: ``{"weights_sha256", "adapter_sha256",
+    "adapter_scaling_sha256", "active_adapters", "fingerprint"}``.
 
-    Hashed once per model object (about a second for a 135M model); a model whose weights are changed in place
-    afterwards keeps its first identity, so call :func:`forget_identity` after training it.
+    ``weights_sha256`` covers the base weights (adapter parameters excluded, names as in the plain model; an adapter
+    merged into the weights in place is part of them); ``adapter_sha256`` the parameters of the adapters the model's
+    forward applies *now*: the active ones (``set_adapter``), none while adapters are disabled (``disable_adapter()``)
+    or merged. So switching or disabling an adapter changes the identity, and a model whose adapters are all off has
+    its base model's identity. Loaded adapters that are not applied count in neither. ``adapter_scaling_sha256``
+    covers those adapters' scaling, ``active_adapters`` names them (None and [] without one).
+
+    Hashing costs about a second for a 135M model, so an identity is remembered per model object and state: each
+    call takes a cheap fingerprint (every tensor's storage, version counter and a few sampled values, and the adapter
+    state) and hashes again when it changed, so training, ``load_state_dict``, ``copy_`` and adapter switches are seen.
+    An in-place change made through ``.data`` that misses every sampled element is not; call :func:`forget_identity`
+    after such an edit.
     """
-    known = _IDENTITIES.get(model)
-    if known is not None:
-        return known
-    base, adapter = hashlib.sha256(), hashlib.sha256()
-    has_adapter = False
-    for name, tensor in sorted(unwrapped(model).state_dict().items()):
-        target = base
-        if "lora_" in name:
-            target, has_adapter = adapter, True
-        clean = name.replace(".base_layer", "")
-        data = tensor.detach().cpu().contiguous()
-        target.update(f"{clean}|{data.dtype}|{tuple(data.shape)}".encode())
-        target.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    identity = {"weights_sha256": base.hexdigest(), "adapter_sha256": adapter.hexdigest() if has_adapter else None,
-                "fingerprint": model_fingerprint(unwrapped(model).config)}
-    _IDENTITIES[model] = identity
+    inner = unwrapped(model)
+    base, active, tuners, live = _split_state(inner)
+    state = (tuple(sorted(live.items())), _fingerprint(base), _fingerprint(active), _scaling_sha256(tuners, live))
+    remembered = _IDENTITIES.setdefault(model, {})
+    if state in remembered:
+        return remembered[state]
+    names = sorted({adapter for adapters in live.values() for adapter in adapters})
+    identity = {"weights_sha256": _sha256(base), "adapter_sha256": _sha256(active) if active else None,
+                "adapter_scaling_sha256": state[3] if active else None, "active_adapters": names,
+                "fingerprint": model_fingerprint(inner.config)}
+    if len(remembered) >= _REMEMBERED_STATES:
+        remembered.pop(next(iter(remembered)))
+    remembered[state] = identity
     return identity
 
 

@@ -7,18 +7,21 @@ container is built to be parsed from bytes that came from anywhere:
   and tensors are raw little-endian arrays whose dtype and shape come from a short whitelist, so reading a payload
   can only ever produce data.
 - Every byte is covered by a check: the magic, version and flags fields are compared with fixed values, the manifest
-  has its own CRC-32 (checked before it is parsed), each section has a CRC-32 in the manifest, and the section sizes
-  must add up to exactly the bytes that follow the manifest. Any single corrupted byte, any truncation and any
-  trailing garbage is rejected, never read as a slightly wrong cache.
+  has its own CRC-32 (checked before it is parsed), each section is followed by the CRC-32 of its bytes, and the
+  section sizes (plus their CRCs) must add up to exactly the bytes that follow the manifest. Any single corrupted
+  byte, any truncation and any trailing garbage is rejected, never read as a slightly wrong cache.
 - Allocations are bounded before anything is read: the manifest is capped at ``MAX_MANIFEST_BYTES``, every section's
-  size is derived from its declared shape and checked against the bytes actually present (or, for a stream, against
-  ``max_bytes`` and then against the bytes actually received), so a hostile header cannot make the reader allocate
-  more than the input's own length plus a small constant.
+  size is derived from its declared shape (whose extent is bounded too) and checked against the bytes actually
+  present (or, for a stream, against ``max_bytes`` and then against the bytes actually received), so a hostile
+  header cannot make the reader allocate more than the input's own length plus a small constant. A reader's
+  ``check`` sees the manifest and the section table before any section is turned into a tensor.
 - The version is in the fixed header, ahead of the manifest, so a consumer too old for a payload says so plainly
   instead of failing somewhere inside a manifest layout it does not know.
-- Sections are concatenated without padding, in manifest order, so a sender can stream them one by one
-  (``iter_payload_chunks``) and a receiver can read a stream that carries several payloads back to back
-  (``read_payload``).
+- The manifest lists every section's name, dtype and shape, but no checksum: a section's CRC-32 follows its bytes.
+  So a sender that knows its sections' shapes up front (SCD derives them from the layer plan) writes the header and
+  manifest first and each section as soon as it exists (:class:`PayloadWriter`), and a receiver can verify each
+  section as it arrives. Sections are concatenated without padding, in manifest order; a stream may carry several
+  payloads back to back (``read_payload``).
 
 This module is pure container code: what the manifest's other keys mean (codec, hashes, layer tables) is the caller's
 business, and they are returned untouched. The layout is specified in docs/scd-payload.md.
@@ -31,33 +34,38 @@ import math
 import struct
 import sys
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, BinaryIO, NamedTuple
 
 import torch
 
 __all__ = [
-    "FORMAT_VERSION", "MAGIC", "MAX_MANIFEST_BYTES", "MAX_SECTIONS", "PayloadError", "iter_payload_chunks",
-    "pack_payload", "payload_summary", "read_payload", "unpack_payload",
+    "FORMAT_VERSION", "MAGIC", "MAX_MANIFEST_BYTES", "MAX_SECTIONS", "PayloadError", "PayloadWriter", "SectionSpec",
+    "iter_payload_chunks", "pack_payload", "payload_summary", "read_payload", "unpack_payload",
 ]
 
 MAGIC = b"HFKVSCD\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: each section's CRC-32 sat in the manifest, so no byte could be sent before every section existed
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_SECTIONS = 4096
 MAX_SECTION_NAME_CHARS = 128
 MAX_SECTION_DIMS = 4
+# A shape's extent (the product of its dimensions, zeros counted as 1) is bounded, so even an empty section's shape
+# is one torch can allocate: torch.empty((0, 2**31, 2**31, 2**31)) overflows its stride computation.
+MAX_SECTION_EXTENT = 1 << 48
 
 # magic, format version, flags, manifest length, manifest CRC-32
 _HEADER = struct.Struct("<8sHHII")
 HEADER_BYTES = _HEADER.size  # 20
+_CRC = struct.Struct("<I")
+CRC_BYTES = _CRC.size  # after every section
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
     "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-_SECTION_KEYS = ("name", "dtype", "shape", "nbytes", "crc32")
+_SECTION_KEYS = ("name", "dtype", "shape", "nbytes")
 
 # The format is little-endian; on a big-endian host every multi-byte element is swapped on the way in and out.
 _SWAP_BYTES = sys.byteorder != "little"
@@ -71,18 +79,41 @@ class PayloadError(ValueError):
     """A payload that cannot be packed or must not be trusted; the message says what is wrong with it."""
 
 
-class _Section(NamedTuple):
+class SectionSpec(NamedTuple):
+    """One entry of a payload's section table: what a section is, known before its bytes exist."""
+
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    nbytes: int
-    crc32: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def entry(self) -> dict:
+        """The manifest's JSON entry for this section."""
+        return {"name": self.name, "dtype": _DTYPE_NAMES[self.dtype], "shape": list(self.shape), "nbytes": self.nbytes}
+
+    def describe(self) -> str:
+        return f"{self.name!r} {_DTYPE_NAMES.get(self.dtype, self.dtype)} {list(self.shape)}"
 
 
 # --------------------------------------------------------------------------------------------------------- writing
 
 
-def _section_bytes(name: str, tensor: Any) -> tuple[dict, bytes]:
+def _check_spec(spec: Any, what: str) -> SectionSpec:
+    if not isinstance(spec, SectionSpec):
+        raise PayloadError(f"{what} must be a SectionSpec, not a {type(spec).__name__}")
+    _check_name(spec.name, f"section name {spec.name!r}")
+    if spec.dtype not in _DTYPE_NAMES:
+        raise PayloadError(f"section {spec.name!r} has dtype {spec.dtype}, which an SCD payload cannot carry "
+                           f"(supported: {', '.join(_DTYPES)})")
+    _check_shape(spec.shape, f"section {spec.name!r}")
+    return spec
+
+
+def _tensor_spec(name: Any, tensor: Any) -> SectionSpec:
+    _check_name(name, f"section name {name!r}")
     if not isinstance(tensor, torch.Tensor):
         raise PayloadError(f"section {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
     if tensor.dtype not in _DTYPE_NAMES:
@@ -94,58 +125,104 @@ def _section_bytes(name: str, tensor: Any) -> tuple[dict, bytes]:
     if tensor.dim() > MAX_SECTION_DIMS:
         raise PayloadError(f"section {name!r} has {tensor.dim()} dimensions; an SCD payload allows at most "
                            f"{MAX_SECTION_DIMS}")
+    return SectionSpec(name, tensor.dtype, tuple(tensor.shape))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     tensor = tensor.detach().to("cpu").contiguous()
     if tensor.numel() == 0:
-        data = b""
-    else:
-        flat = tensor.reshape(-1).view(torch.uint8)
-        if _SWAP_BYTES and tensor.element_size() > 1:
-            flat = flat.reshape(-1, tensor.element_size()).flip(-1).reshape(-1)
-        data = flat.numpy().tobytes()
-    entry = {"name": name, "dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "nbytes": len(data),
-             "crc32": zlib.crc32(data)}
-    return entry, data
+        return b""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    if _SWAP_BYTES and tensor.element_size() > 1:
+        flat = flat.reshape(-1, tensor.element_size()).flip(-1).reshape(-1)
+    return flat.numpy().tobytes()
+
+
+class PayloadWriter:
+    """Writes one payload whose section table is known before any section exists.
+
+    ``head`` (the fixed header and the manifest, with ``"sections"`` written from ``table``) can go on the wire at
+    once; then ``chunk(name, tensor)`` for each section in ``table``'s order returns its bytes followed by their
+    CRC-32, checked against the table entry, and ``close()`` checks that every section was written. So a producer can
+    send a section while it is still computing the next. ``manifest`` must be a JSON-serialisable dict without a
+    ``"sections"`` key. Raises ``PayloadError`` for anything the reader would refuse, always before the bytes in
+    question are returned.
+    """
+
+    def __init__(self, manifest: dict, table: Sequence[SectionSpec]):
+        if not isinstance(manifest, dict):
+            raise PayloadError(f"the manifest must be a dict, not a {type(manifest).__name__}")
+        if "sections" in manifest:
+            raise PayloadError('the manifest must not contain "sections": the payload writer writes that key itself')
+        if len(table) > MAX_SECTIONS:
+            raise PayloadError(f"{len(table)} sections; an SCD payload allows at most {MAX_SECTIONS}")
+        self.table = [_check_spec(spec, f"section table entry #{index}") for index, spec in enumerate(table)]
+        names = [spec.name for spec in self.table]
+        if len(set(names)) != len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise PayloadError(f"the section table lists section {twice!r} twice")
+        try:
+            text = json.dumps({**manifest, "sections": [spec.entry() for spec in self.table]}, ensure_ascii=True,
+                              separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as error:
+            raise PayloadError(f"the manifest is not JSON-serialisable: {error}") from None
+        encoded = text.encode("ascii")
+        if len(encoded) > MAX_MANIFEST_BYTES:
+            raise PayloadError(f"the manifest encodes to {len(encoded)} bytes; an SCD payload allows at most "
+                               f"{MAX_MANIFEST_BYTES}")
+        # Read the manifest back with the reader's own rules (duplicate keys after int keys became strings, nesting
+        # the reader's recursion limit refuses), so a payload this writes is never one a consumer rejects.
+        try:
+            _parse_manifest(encoded)
+        except PayloadError as error:
+            raise PayloadError(f"the manifest would not read back: {error}") from None
+        self.head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(encoded), zlib.crc32(encoded)) + encoded
+        self.written = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole payload's length, known before any section is written."""
+        return len(self.head) + sum(spec.nbytes + CRC_BYTES for spec in self.table)
+
+    def chunk(self, name: str, tensor: torch.Tensor) -> bytes:
+        if self.written >= len(self.table):
+            raise PayloadError(f"section {name!r} is one more than the {len(self.table)} the manifest lists")
+        expected = self.table[self.written]
+        got = _tensor_spec(name, tensor)
+        if got != expected:
+            raise PayloadError(f"section #{self.written} is {got.describe()}; the manifest lists {expected.describe()} "
+                               "there")
+        data = _tensor_bytes(tensor)
+        self.written += 1
+        return data + _CRC.pack(zlib.crc32(data))
+
+    def close(self) -> None:
+        if self.written != len(self.table):
+            missing = [spec.name for spec in self.table[self.written:]]
+            raise PayloadError(f"the payload stops after {self.written} of its {len(self.table)} sections (not written: "
+                               f"{missing[:5]})")
 
 
 def iter_payload_chunks(manifest: dict, sections: Mapping[str, torch.Tensor]) -> Iterator[bytes]:
-    """A payload in pieces: the header and manifest first, then one chunk per section, in ``sections``' order.
+    """A payload in pieces: the header and manifest first, then one chunk per section (its bytes and their CRC-32),
+    in ``sections``' order.
 
     ``b"".join(iter_payload_chunks(manifest, sections)) == pack_payload(manifest, sections)``. Every section is copied
-    to CPU bytes, and every check made, when this is called (the manifest carries each section's CRC-32, and a sender
-    should learn of a bad section before it has written half a payload); what this saves over ``pack_payload`` is
-    the copy that joins the chunks, since each can go to a socket as it comes. ``manifest`` must be a JSON-serialisable dict without a ``"sections"`` key (this function writes that key);
-    it goes through JSON, so tuples come back as lists. Raises ``PayloadError`` for anything the reader would refuse.
+    to CPU bytes, and every check made, when this is called; a sender whose sections do not all exist yet uses
+    :class:`PayloadWriter` with a table of their shapes instead. ``manifest`` must be a JSON-serialisable dict without
+    a ``"sections"`` key (the writer writes that key); it goes through JSON, so tuples come back as lists. Raises
+    ``PayloadError`` for anything the reader would refuse.
     """
-    if not isinstance(manifest, dict):
-        raise PayloadError(f"the manifest must be a dict, not a {type(manifest).__name__}")
-    if "sections" in manifest:
-        raise PayloadError('the manifest must not contain "sections": pack_payload writes that key itself')
     if not isinstance(sections, Mapping):
         raise PayloadError(f"sections must be a mapping of name to tensor, not a {type(sections).__name__}")
     if len(sections) > MAX_SECTIONS:
         raise PayloadError(f"{len(sections)} sections; an SCD payload allows at most {MAX_SECTIONS}")
-    entries, chunks = [], []
-    for name, tensor in sections.items():
-        _check_name(name, f"section name {name!r}")
-        entry, data = _section_bytes(name, tensor)
-        entries.append(entry)
-        chunks.append(data)
-    try:
-        text = json.dumps({**manifest, "sections": entries}, ensure_ascii=True, separators=(",", ":"))
-    except (TypeError, ValueError, RecursionError) as error:
-        raise PayloadError(f"the manifest is not JSON-serialisable: {error}") from None
-    encoded = text.encode("ascii")
-    if len(encoded) > MAX_MANIFEST_BYTES:
-        raise PayloadError(f"the manifest encodes to {len(encoded)} bytes; an SCD payload allows at most "
-                           f"{MAX_MANIFEST_BYTES}")
-    # Read the manifest back with the reader's own rules (duplicate keys after int keys became strings, nesting the
-    # reader's recursion limit refuses), so a payload this writes is never one a consumer rejects.
-    try:
-        _parse_manifest(encoded)
-    except PayloadError as error:
-        raise PayloadError(f"the manifest would not read back: {error}") from None
+    table = [_tensor_spec(name, tensor) for name, tensor in sections.items()]
+    writer = PayloadWriter(manifest, table)
+    chunks = [writer.head, *(writer.chunk(name, tensor) for name, tensor in sections.items())]
+    writer.close()
     # Not a generator: everything is checked when this is called, before a sender has written anything anywhere.
-    return iter([_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(encoded), zlib.crc32(encoded)) + encoded, *chunks])
+    return iter(chunks)
 
 
 def pack_payload(manifest: dict, sections: Mapping[str, torch.Tensor]) -> bytes:
@@ -197,6 +274,10 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return result
 
 
+def _reject_constant(name: str) -> Any:
+    raise PayloadError(f"the manifest holds {name}, which is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
 def _check_name(name: Any, what: str) -> None:
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_SECTION_NAME_CHARS:
         raise PayloadError(f"{what} must be a string of 1 to {MAX_SECTION_NAME_CHARS} characters")
@@ -206,7 +287,17 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_section(index: int, entry: Any) -> _Section:
+def _check_shape(shape: Any, where: str) -> None:
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_SECTION_DIMS or \
+            not all(_is_int(d) and d >= 0 for d in shape):
+        raise PayloadError(f"{where} has shape {shape!r}; a shape is a list of at most {MAX_SECTION_DIMS} "
+                           f"non-negative integers")
+    if math.prod(max(d, 1) for d in shape) > MAX_SECTION_EXTENT:
+        raise PayloadError(f"{where} has shape {list(shape)}, whose extent is over the {MAX_SECTION_EXTENT} elements "
+                           "an SCD payload allows (even for an empty section)")
+
+
+def _check_section(index: int, entry: Any) -> SectionSpec:
     where = f"manifest section #{index}"
     if not isinstance(entry, dict):
         raise PayloadError(f"{where} is a {type(entry).__name__}, not an object")
@@ -222,25 +313,24 @@ def _check_section(index: int, entry: Any) -> _Section:
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise PayloadError(f"{where} has dtype {dtype!r}, which is not one of {', '.join(_DTYPES)}")
     shape = entry["shape"]
-    if not isinstance(shape, list) or len(shape) > MAX_SECTION_DIMS or not all(_is_int(d) and d >= 0 for d in shape):
+    if not isinstance(shape, list):
         raise PayloadError(f"{where} has shape {shape!r}; a shape is a list of at most {MAX_SECTION_DIMS} "
                            f"non-negative integers")
-    nbytes, crc = entry["nbytes"], entry["crc32"]
+    _check_shape(shape, where)
+    nbytes = entry["nbytes"]
     expected = math.prod(shape) * _DTYPES[dtype].itemsize
     if not _is_int(nbytes) or nbytes != expected:
         raise PayloadError(f"{where} declares nbytes {nbytes!r}, but shape {shape} of {dtype} is {expected} bytes")
-    if not _is_int(crc) or not 0 <= crc <= 0xFFFFFFFF:
-        raise PayloadError(f"{where} has crc32 {crc!r}, which is not a 32-bit unsigned integer")
-    return _Section(name, _DTYPES[dtype], tuple(shape), nbytes, crc)
+    return SectionSpec(name, _DTYPES[dtype], tuple(shape))
 
 
-def _parse_manifest(raw: bytes) -> tuple[dict, list[_Section]]:
+def _parse_manifest(raw: bytes) -> tuple[dict, list[SectionSpec]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise PayloadError(f"the manifest is not valid UTF-8 ({error.reason} at byte {error.start})") from None
     try:
-        manifest = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        manifest = json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=_reject_constant)
     except RecursionError:
         raise PayloadError("the manifest's JSON is nested too deeply to parse") from None
     except PayloadError:
@@ -265,15 +355,15 @@ def _parse_manifest(raw: bytes) -> tuple[dict, list[_Section]]:
     return manifest, sections
 
 
-def _check_manifest(raw: bytes, declared_crc: int) -> tuple[dict, list[_Section]]:
+def _check_manifest(raw: bytes, declared_crc: int) -> tuple[dict, list[SectionSpec]]:
     if zlib.crc32(raw) != declared_crc:
         raise PayloadError("the manifest failed its CRC-32 check (corrupted in transit)")
     return _parse_manifest(raw)
 
 
-def _tensor(section: _Section, data: bytearray) -> torch.Tensor:
+def _tensor(section: SectionSpec, data: bytearray, crc: bytes) -> torch.Tensor:
     """``data`` must be a buffer the caller owns and hands over: the tensor shares its memory."""
-    if zlib.crc32(data) != section.crc32:
+    if zlib.crc32(data) != _CRC.unpack(crc)[0]:
         raise PayloadError(f"section {section.name!r} failed its CRC-32 check (corrupted in transit)")
     if section.nbytes == 0:
         return torch.empty(section.shape, dtype=section.dtype)
@@ -295,16 +385,21 @@ def _as_bytes_view(data: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _check_sections_fit(sections: list[_Section], present: int) -> None:
-    declared = sum(section.nbytes for section in sections)
+def _sections_bytes(sections: list[SectionSpec]) -> int:
+    return sum(section.nbytes + CRC_BYTES for section in sections)
+
+
+def _check_sections_fit(sections: list[SectionSpec], present: int) -> None:
+    declared = _sections_bytes(sections)
     if declared > present:
-        raise PayloadError(f"payload truncated: the manifest declares {declared} section bytes, {present} are present")
+        raise PayloadError(f"payload truncated: the manifest declares {declared} section bytes (with their CRC-32s), "
+                           f"{present} are present")
     if declared < present:
-        raise PayloadError(f"payload has trailing bytes: the manifest declares {declared} section bytes, {present} "
-                           f"are present")
+        raise PayloadError(f"payload has trailing bytes: the manifest declares {declared} section bytes (with their "
+                           f"CRC-32s), {present} are present")
 
 
-def _parse_buffer(data: Any, max_bytes: int) -> tuple[memoryview, int, dict, list[_Section]]:
+def _parse_buffer(data: Any, max_bytes: int) -> tuple[memoryview, int, dict, list[SectionSpec]]:
     view = _as_bytes_view(data)
     if view.nbytes > max_bytes:
         raise PayloadError(f"payload is {view.nbytes} bytes, over the max_bytes limit of {max_bytes}")
@@ -321,21 +416,29 @@ def _parse_buffer(data: Any, max_bytes: int) -> tuple[memoryview, int, dict, lis
     return view, end, manifest, sections
 
 
-def unpack_payload(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 34
-                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+ManifestCheck = Callable[[dict, list[SectionSpec]], Any]
+
+
+def unpack_payload(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 34,
+                   check: ManifestCheck | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Parse and verify a whole payload held in memory; return ``(manifest, {name: tensor})``.
 
     The manifest is returned as parsed, ``"sections"`` included; its other keys are the producer's and are not
-    interpreted here. Tensors are fresh CPU tensors (each owns a copy of its bytes), in manifest order. The buffer
-    must be exactly one payload: trailing bytes are an error (use ``read_payload`` for a stream of payloads). A buffer
-    longer than ``max_bytes`` is refused before it is read. Every malformed, truncated or corrupted input raises
+    interpreted here. ``check(manifest, section_table)``, when given, runs once the container is known to be well
+    formed and before any section is copied into a tensor: the place for a caller's own refusals (it raises).
+    Tensors are fresh CPU tensors (each owns a copy of its bytes), in manifest order. The buffer must be exactly one
+    payload: trailing bytes are an error (use ``read_payload`` for a stream of payloads). A buffer longer than
+    ``max_bytes`` is refused before it is read. Every malformed, truncated or corrupted input raises
     ``PayloadError``; allocations never exceed about the input's length plus a bounded manifest.
     """
     view, offset, manifest, sections = _parse_buffer(data, max_bytes)
+    if check is not None:
+        check(manifest, sections)
     tensors = {}
     for section in sections:
-        tensors[section.name] = _tensor(section, bytearray(view[offset:offset + section.nbytes]))
-        offset += section.nbytes
+        end = offset + section.nbytes
+        tensors[section.name] = _tensor(section, bytearray(view[offset:end]), bytes(view[end:end + CRC_BYTES]))
+        offset = end + CRC_BYTES
     return manifest, tensors
 
 
@@ -366,12 +469,14 @@ def _read_exact(stream: BinaryIO, count: int, what: str) -> bytearray:
     return data
 
 
-def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34,
+                 check: ManifestCheck | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read one payload from a binary stream (a file, ``socket.makefile("rb")``, ``io.BytesIO``); return what
     ``unpack_payload`` returns.
 
-    Reads the header, then the manifest, verifies both, and refuses a payload whose declared total size is over
-    ``max_bytes`` before reading any section. Short reads are retried; a stream that ends early raises
+    Reads the header, then the manifest, verifies both, refuses a payload whose declared total size is over
+    ``max_bytes`` and runs ``check`` (as ``unpack_payload`` does) before reading any section; then reads each section
+    and verifies the CRC-32 that follows it. Short reads are retried; a stream that ends early raises
     ``PayloadError("payload truncated ...")``. Reading stops right after the last section, so a stream may carry
     several payloads back to back; call again for the next one. A blocking stream is assumed (``read`` returning
     ``None`` or ``b""`` means the stream ended). On an error the stream is left wherever the error was found.
@@ -382,12 +487,17 @@ def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34) -> tuple[dict, d
                            f"max_bytes limit of {max_bytes}")
     raw = bytes(_read_exact(stream, manifest_bytes, "the manifest"))
     manifest, sections = _check_manifest(raw, manifest_crc)
-    total = HEADER_BYTES + manifest_bytes + sum(section.nbytes for section in sections)
+    total = HEADER_BYTES + manifest_bytes + _sections_bytes(sections)
     if total > max_bytes:
         raise PayloadError(f"payload declares {total} bytes in all, over the max_bytes limit of {max_bytes}")
+    if check is not None:
+        check(manifest, sections)
     tensors = {}
     for section in sections:
-        tensors[section.name] = _tensor(section, _read_exact(stream, section.nbytes, f"section {section.name!r}"))
+        data = _read_exact(stream, section.nbytes + CRC_BYTES, f"section {section.name!r} and its CRC-32")
+        crc = bytes(data[section.nbytes:])
+        del data[section.nbytes:]
+        tensors[section.name] = _tensor(section, data, crc)
     return manifest, tensors
 
 
