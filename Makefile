@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench calibrate clean
+.PHONY: setup demo test lint bench calibrate clean check-newest-transformers
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,23 @@ bench: setup
 	$(BIN)/hf-kvcodecs bench decode --threads 2 --no-post-rope --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench split --threads 2 --out benchmarks/results
 	$(BIN)/hf-kvcodecs bench weights --threads 2 --out benchmarks/results
+
+# Not part of `make test` (CI time is limited): run it when transformers releases (and before raising the pin).
+# In a throwaway venv it installs the project, then the newest transformers on PyPI over it (`pip install --upgrade
+# transformers`, past pyproject's pin: pip reports the conflict and goes on), and runs tests/test_transformers_patch.py:
+# the private symbols hf_kvcodecs/integrations/transformers_patch.py patches, generate() with
+# cache_implementation="gsrq" against a cache object, and `import hf_kvcodecs` outside the supported range. Passing on a
+# release past SUPPORTED_TRANSFORMERS means the patch still fits it: run the whole suite on it before widening the range.
+NEWEST_VENV ?= .venv-newest-transformers
+check-newest-transformers:
+	rm -rf $(NEWEST_VENV)
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	$(NEWEST_VENV)/bin/pip install -q --upgrade pip
+	$(NEWEST_VENV)/bin/pip install -q $(TORCH_SPEC)
+	$(NEWEST_VENV)/bin/pip install -q -e . pytest
+	$(NEWEST_VENV)/bin/pip install -q --upgrade transformers
+	$(NEWEST_VENV)/bin/python -c "import transformers; print('newest transformers:', transformers.__version__)"
+	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_transformers_patch.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

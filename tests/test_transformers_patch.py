@@ -1,13 +1,53 @@
 import importlib
+import os
+import subprocess
+import sys
+import warnings
 
 import pytest
+import torch
+import transformers
 import transformers.generation.configuration_utils as generation_configuration
+from packaging.version import Version
 from transformers.generation.utils import GenerationMixin
 
 import hf_kvcodecs
 from hf_kvcodecs.integrations import transformers_patch
 
+LOW, HIGH = transformers_patch.SUPPORTED_TRANSFORMERS
+INSTALLED = Version(Version(transformers.__version__).base_version)
+# `make check-newest-transformers` runs this file on the newest transformers release, which may be past the range:
+# there the tests of the registration itself are skipped and test_patch_works_on_the_installed_transformers says
+# whether the range can be widened.
+needs_supported = pytest.mark.skipif(
+    bool(transformers_patch.transformers_problems()),
+    reason=f"transformers {transformers.__version__} is outside the supported range >={LOW},<{HIGH}",
+)
+EXACT = {"window_length": 10_000}
 
+
+def _greedy(model, **kwargs):
+    ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    return model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The warning is issued once per process; a test that expects it starts from a process that has not seen it."""
+    monkeypatch.setattr(transformers_patch, "_warned", set())
+
+
+@needs_supported
+def test_registration_inside_the_supported_range():
+    assert transformers_patch.transformers_problems() == []
+    assert transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache) is True
+    assert {"gsrq", "scd"} <= set(generation_configuration.ALL_CACHE_IMPLEMENTATIONS)
+    assert transformers_patch.CACHE_IMPLEMENTATIONS["scd"] is hf_kvcodecs.SCDTransferCache
+    marker = getattr(GenerationMixin._prepare_cache_for_generation, transformers_patch._PATCH_MARKER, None)
+    assert marker is transformers_patch.CACHE_IMPLEMENTATIONS
+
+
+@needs_supported
 def test_registration_is_idempotent_across_reimport():
     wrapped = GenerationMixin._prepare_cache_for_generation
     importlib.reload(hf_kvcodecs)
@@ -17,22 +57,118 @@ def test_registration_is_idempotent_across_reimport():
 
 
 def test_other_cache_implementations_are_delegated(tiny_model):
-    import torch
-
     out = tiny_model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, cache_implementation="dynamic",
                               return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
     assert type(out.cache).__name__ == "DynamicCache"
 
 
-def test_unsupported_transformers_version_fails_loudly(monkeypatch):
-    import transformers
-
+def test_unsupported_transformers_version_warns_once_and_skips(monkeypatch, fresh_warnings):
     monkeypatch.setattr(transformers, "__version__", "6.0.0")
-    with pytest.raises(transformers_patch.TransformersIntegrationError, match=r"supports transformers>=5.24.0,<5.25.0; found 6.0.0"):
-        transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache)
+    names_before = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    wrapped = GenerationMixin._prepare_cache_for_generation
+    with pytest.warns(transformers_patch.UnsupportedTransformersWarning) as caught:
+        assert transformers_patch.register_cache_implementation("unsupported_a", hf_kvcodecs.GSRQCache) is False
+        assert transformers_patch.register_cache_implementation("unsupported_b", hf_kvcodecs.GSRQCache) is False
+    assert len(caught) == 1  # one warning for the reason, not one per name
+    message = str(caught[0].message)
+    assert f"transformers 6.0.0 is outside the supported range >={LOW},<{HIGH}" in message
+    assert f"pip install 'transformers>={LOW},<{HIGH}'" in message and "cache=GSRQCache.for_generate(" in message
+    assert caught[0].filename == __file__  # points at the caller, not at this module
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS is names_before
+    assert GenerationMixin._prepare_cache_for_generation is wrapped
+    assert not {"unsupported_a", "unsupported_b"} & set(transformers_patch.CACHE_IMPLEMENTATIONS)
 
 
-def test_changed_private_symbols_fail_loudly(monkeypatch):
+def test_unsupported_transformers_version_raises_when_strict(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    with pytest.raises(transformers_patch.TransformersIntegrationError, match=r"6\.0\.0 is outside the supported range"):
+        transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache, strict=True)
+
+
+def test_changed_private_symbols_warn_instead_of_raising(monkeypatch, fresh_warnings):
     monkeypatch.setattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", None)
-    with pytest.raises(transformers_patch.TransformersIntegrationError, match="ALL_CACHE_IMPLEMENTATIONS is no longer a tuple"):
-        transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache)
+    with pytest.warns(transformers_patch.UnsupportedTransformersWarning, match="ALL_CACHE_IMPLEMENTATIONS is no longer a tuple"):
+        assert transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache) is False
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS is None  # left as it was
+
+
+def test_reimport_outside_the_range_warns_once_and_keeps_the_package(monkeypatch, fresh_warnings):
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    names_before = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    wrapped = GenerationMixin._prepare_cache_for_generation
+    with pytest.warns(transformers_patch.UnsupportedTransformersWarning) as caught:
+        importlib.reload(hf_kvcodecs)  # registers "gsrq" and "scd": one warning
+    assert len(caught) == 1 and "cache_implementation='gsrq'" in str(caught[0].message)
+    assert all(hasattr(hf_kvcodecs, name) for name in hf_kvcodecs.__all__)
+    # what an earlier import registered stays registered for the rest of the session
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS is names_before
+    assert GenerationMixin._prepare_cache_for_generation is wrapped
+
+
+def test_activate_past_recording_matches_the_installed_transformers():
+    from transformers import DynamicCache, GenerationConfig
+
+    cache = DynamicCache()
+    transformers_patch._activate_past_recording(cache, GenerationConfig(num_assistant_tokens=5))
+
+
+def test_patch_works_on_the_installed_transformers(monkeypatch, tiny_model, tiny_codebooks_dir):
+    """generate(cache_implementation="gsrq") against a cache object, with the range widened to the installed
+    transformers if it is past it; everything the registration changes is put back afterwards."""
+    monkeypatch.setattr(transformers_patch, "SUPPORTED_TRANSFORMERS", (min(LOW, INSTALLED), max(HIGH, Version(f"{INSTALLED}.post1"))))
+    monkeypatch.setattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", generation_configuration.ALL_CACHE_IMPLEMENTATIONS)
+    monkeypatch.setattr(GenerationMixin, "_prepare_cache_for_generation", GenerationMixin.__dict__["_prepare_cache_for_generation"])
+    monkeypatch.setitem(transformers_patch.CACHE_IMPLEMENTATIONS, "gsrq", hf_kvcodecs.GSRQCache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", transformers_patch.UnsupportedTransformersWarning)
+        assert transformers_patch.register_cache_implementation("gsrq", hf_kvcodecs.GSRQCache) is True
+    reference = _greedy(tiny_model)
+    via_name = _greedy(tiny_model, cache_implementation="gsrq", cache_config={"codebooks": str(tiny_codebooks_dir), **EXACT})
+    assert torch.equal(reference, via_name)
+
+
+FRESH_IMPORT = """
+import sys, warnings
+import torch, transformers
+transformers.__version__ = "6.0.0"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import hf_kvcodecs
+from hf_kvcodecs.integrations.transformers_patch import UnsupportedTransformersWarning
+import transformers.generation.configuration_utils as generation_configuration
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMixin
+
+ours = [w for w in caught if issubclass(w.category, UnsupportedTransformersWarning)]
+assert len(ours) == 1, [str(w.message) for w in caught]
+assert "gsrq" not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+assert not hasattr(GenerationMixin._prepare_cache_for_generation, "_hf_kvcodecs_cache_implementations")
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)).eval()
+ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+reference = model.generate(ids, **kwargs)
+cache = hf_kvcodecs.GSRQCache.for_generate(model, codebooks=sys.argv[1], window_length=10_000)
+assert torch.equal(model.generate(ids, cache=cache, **kwargs), reference)
+cache = hf_kvcodecs.GSRQCache.for_generate(model, codebooks=sys.argv[1], window_length=10_000)
+assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), reference)  # the deprecated name
+try:
+    model.generate(ids, cache_implementation="gsrq", **kwargs)
+except ValueError as error:
+    assert "cache_implementation" in str(error), error
+else:
+    raise AssertionError("cache_implementation='gsrq' was accepted without the registration")
+print("ok")
+"""
+
+
+def test_fresh_import_outside_the_range_keeps_cache_objects_usable(tiny_codebooks_dir, tmp_path):
+    """A new interpreter that sees an unsupported transformers: import warns once, nothing is patched, a GSRQCache
+    passed to generate() works and cache_implementation="gsrq" gets transformers' own error."""
+    # cwd away from the repository root, whose kernels/ folder would shadow the `kernels` package transformers imports
+    result = subprocess.run([sys.executable, "-c", FRESH_IMPORT, str(tiny_codebooks_dir)], cwd=tmp_path, env=dict(os.environ),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

@@ -1,10 +1,14 @@
 """The only module that touches private symbols of transformers.
 
-transformers 5.24 has no public hook to add a ``cache_implementation`` name: the accepted names are a module-level
-tuple read by ``GenerationConfig.validate`` and the cache is built by an if/elif chain in
+transformers 5.24 and 5.25 have no public hook to add a ``cache_implementation`` name: the accepted names are a
+module-level tuple read by ``GenerationConfig.validate`` and the cache is built by an if/elif chain in
 ``GenerationMixin._prepare_cache_for_generation``. We extend the tuple and wrap that method so it builds our caches
-for our names and delegates everything else unchanged. The patch is idempotent, composes with other wrappers, and
-refuses to apply (with a clear error) if those symbols are not what this version of hf_kvcodecs was written against.
+for our names and delegates everything else unchanged. The patch is idempotent and composes with other wrappers.
+
+On a transformers outside ``SUPPORTED_TRANSFORMERS``, or one whose symbols are not what this version of hf_kvcodecs
+was written against, the patch is skipped with one :class:`UnsupportedTransformersWarning` (``import hf_kvcodecs``
+still works): everything but the ``cache_implementation="gsrq"``/``"scd"`` names stays usable, a cache object
+included (``generate(..., cache=GSRQCache.for_generate(model, ...))``, or ``past_key_values=``).
 """
 
 from __future__ import annotations
@@ -12,36 +16,42 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 
 from packaging.version import Version
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))  # [min, max)
+# [min, max): the releases the test suite passed on. `make check-newest-transformers` runs the patch's tests against the
+# newest release on PyPI.
+SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
 _PATCH_MARKER = "_hf_kvcodecs_cache_implementations"
 
 CACHE_IMPLEMENTATIONS: dict[str, Callable] = {}
+_warned: set[str] = set()  # one warning per reason, not one per name registered at import
 
 
 class TransformersIntegrationError(RuntimeError):
     pass
 
 
-def _check_transformers():
+class UnsupportedTransformersWarning(UserWarning):
+    """The installed transformers is not one hf_kvcodecs can register ``cache_implementation`` names with."""
+
+
+def transformers_problems() -> list[str]:
+    """Why the installed transformers cannot be patched: its version is outside ``SUPPORTED_TRANSFORMERS`` or the
+    private symbols have another shape. Empty when registration can go ahead."""
     import transformers
     import transformers.generation.configuration_utils as generation_configuration
     from transformers.generation.utils import GenerationMixin
 
     version = Version(transformers.__version__)
     low, high = SUPPORTED_TRANSFORMERS
-    if not low <= Version(version.base_version) < high:
-        raise TransformersIntegrationError(
-            f"hf_kvcodecs registers cache implementations by patching transformers internals and supports "
-            f"transformers>={low},<{high}; found {version}. Install a supported version "
-            f"(`pip install 'transformers>={low},<{high}'`) or upgrade hf_kvcodecs."
-        )
     problems = []
+    if not low <= Version(version.base_version) < high:
+        problems.append(f"transformers {version} is outside the supported range >={low},<{high}")
     if not isinstance(getattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", None), (tuple, list)):
         problems.append("transformers.generation.configuration_utils.ALL_CACHE_IMPLEMENTATIONS is no longer a tuple")
     method = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
@@ -51,28 +61,54 @@ def _check_transformers():
         parameters = list(inspect.signature(method).parameters)
         if parameters[:3] != ["self", "generation_config", "model_kwargs"]:
             problems.append(f"GenerationMixin._prepare_cache_for_generation has signature {parameters}")
-    if problems:
-        raise TransformersIntegrationError(
-            "hf_kvcodecs cannot register `cache_implementation` names with this transformers "
-            f"({transformers.__version__}): " + "; ".join(problems) + ". Please report this at hf_kvcodecs' issue tracker."
-        )
-    return generation_configuration, GenerationMixin
+    return problems
 
 
-def register_cache_implementation(name: str, factory: Callable) -> None:
-    """Make ``generate(cache_implementation=name, cache_config={...})`` build the cache.
+def _unsupported_message(name: str, problems: list[str]) -> str:
+    low, high = SUPPORTED_TRANSFORMERS
+    return (
+        f"hf_kvcodecs did not register cache_implementation={name!r} (nor its other names) with generate(): "
+        + "; ".join(problems) + ". Registering patches private transformers symbols, so it is only done on the tested "
+        f"range. Codecs, SCD, SQuaT and cache objects passed to generate() (e.g. generate(..., "
+        f"cache=GSRQCache.for_generate(model, ...))) work as usual. Fix: `pip install 'transformers>={low},<{high}'`, or "
+        "upgrade hf_kvcodecs (and report the break at its issue tracker if the newest hf_kvcodecs has it too)."
+    )
+
+
+def register_cache_implementation(name: str, factory: Callable, *, strict: bool = False) -> bool:
+    """Make ``generate(cache_implementation=name, cache_config={...})`` build the cache; returns whether it did.
 
     ``factory.for_generate(model, **cache_config)`` builds it when the factory has that method (a cache that needs
     more of the model than its config: RoPE frequencies, projections, an attention implementation to switch to),
     else ``factory(config=<the model's text config>, **cache_config)``. ``factory.artifact_options`` (optional) names
     the ``cache_config`` keys that locate its fitted artifact, the first naming it: a per-call value for that key
     replaces the model's default for all of them.
+
+    On a transformers that :func:`transformers_problems` finds fault with (outside ``SUPPORTED_TRANSFORMERS``, or
+    changed private symbols), nothing is patched and it returns False after one
+    :class:`UnsupportedTransformersWarning` naming the supported range and the fix (``strict=True`` raises
+    :class:`TransformersIntegrationError` instead). ``generate(cache_implementation=name)`` then fails with
+    transformers' own error (``ValueError: Invalid `cache_implementation` (gsrq)``): telling the user more would take
+    the very patch that was skipped. Names registered before stay registered.
     """
-    generation_configuration, generation_mixin = _check_transformers()
+    problems = transformers_problems()
+    if problems:
+        message = _unsupported_message(name, problems)
+        if strict:
+            raise TransformersIntegrationError(message)
+        reason = "; ".join(problems)
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(message, UnsupportedTransformersWarning, stacklevel=2)
+        return False
+    import transformers.generation.configuration_utils as generation_configuration
+    from transformers.generation.utils import GenerationMixin
+
     CACHE_IMPLEMENTATIONS[name] = factory
     if name not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS:
         generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(generation_configuration.ALL_CACHE_IMPLEMENTATIONS) + (name,)
-    _wrap_prepare_cache(generation_mixin)
+    _wrap_prepare_cache(GenerationMixin)
+    return True
 
 
 def _cache_options(model, generation_config, implementation: str, artifact_options: tuple[str, ...] = ()) -> dict:
@@ -135,10 +171,20 @@ def _wrap_prepare_cache(generation_mixin) -> None:
             if self.config.is_encoder_decoder:
                 cache = EncoderDecoderCache(cache, DynamicCache(config=self.config.get_text_config(decoder=True)))
             if getattr(generation_config, "is_assistant", False):
-                cache.activate_past_recording()
+                _activate_past_recording(cache, generation_config)
             model_kwargs["cache"] = cache
             return None
         return original(self, generation_config, model_kwargs, *args, **kwargs)
 
     setattr(_prepare_cache_for_generation, _PATCH_MARKER, CACHE_IMPLEMENTATIONS)
     generation_mixin._prepare_cache_for_generation = _prepare_cache_for_generation
+
+
+def _activate_past_recording(cache, generation_config) -> None:
+    """Mark an assistant model's cache for rollback as transformers does: 5.25 passes how many recurrent states its
+    linear-attention layers keep (``num_assistant_tokens``), 5.24's ``activate_past_recording`` takes no argument."""
+    parameters = inspect.signature(cache.activate_past_recording).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD or p.name == "recurrent_states_to_keep" for p in parameters):
+        cache.activate_past_recording(recurrent_states_to_keep=generation_config.num_assistant_tokens)
+    else:
+        cache.activate_past_recording()
