@@ -40,7 +40,7 @@ from hf_kvcodecs.scd.payload import HEADER_BYTES, MAGIC, read_payload, unpack_pa
 
 from .conftest import tiny_llama_config
 
-FUZZ = settings(max_examples=60, deadline=None, database=None,
+FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 REFUSALS = (PayloadError, PairMismatchError, KnowledgeBaseError)
 OUTCOMES: Counter = Counter()
@@ -199,7 +199,7 @@ def _edits(draw):
         lambda value: value <= limit))
 
 
-@settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(edit=_edits())
 def test_extreme_manifest_and_header_values_are_refused(model, kb, payload, reference, edit):
     raw, sections = unpack_payload(payload)
@@ -464,6 +464,39 @@ def test_the_producer_adapter_is_bound(lora_pair, stream, tmp_path):
     finally:
         consumer.set_adapter("default")
     OUTCOMES["producer adapter", "PairMismatchError"] += 1
+
+
+# ---- generate(): the payload is bound to its prompt on every path ----------------------------------------------
+
+
+def test_generate_checks_its_prompt_against_the_payload(model, kb, payload, prompt):
+    ids, mask = prompt
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    reference = model.generate(ids, attention_mask=mask, **options)
+    by_name = model.generate(ids, attention_mask=mask, cache_implementation="scd",
+                             cache_config={"payload": payload, "knowledge_base": kb}, **options)
+    assert torch.equal(by_name, reference)
+    other = ids.clone()
+    other[0, 3] += 1
+    outcome, error = _run("generate, foreign prompt", lambda: model.generate(
+        other, attention_mask=mask, cache_implementation="scd", cache_config={"payload": payload, "knowledge_base": kb},
+        **options))
+    assert outcome == "PairMismatchError" and "another prompt" in str(error)
+    outcome, error = _run("generate, foreign prompt", lambda: model.generate(
+        ids, attention_mask=torch.ones_like(mask), cache_implementation="scd",
+        cache_config={"payload": payload, "knowledge_base": kb}, **options))
+    assert outcome == "PairMismatchError" and "another prompt" in str(error)  # the padding differs
+    outcome, error = _run("generate, foreign prompt", lambda: model.generate(
+        ids[:, :-1], attention_mask=mask[:, :-1], cache_implementation="scd",
+        cache_config={"payload": payload, "knowledge_base": kb}, **options))
+    assert outcome == "PairMismatchError" and "at least 1 token" in str(error)
+    # a cache built without input_ids is checked by generate() too
+    unchecked = SCDTransferCache.from_payload(payload, model, kb)
+    outcome, error = _run("generate, foreign prompt", lambda: model.generate(
+        other, attention_mask=mask, cache=unchecked, **options))
+    assert outcome == "PairMismatchError" and "another prompt" in str(error)
+    ours = model.generate(ids, attention_mask=mask, cache=SCDTransferCache.from_payload(payload, model, kb), **options)
+    assert torch.equal(ours, reference)
 
 
 # ---- the documented partial decode ------------------------------------------------------------------------------

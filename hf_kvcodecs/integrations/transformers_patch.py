@@ -3,7 +3,10 @@
 transformers 5.24 and 5.25 have no public hook to add a ``cache_implementation`` name: the accepted names are a
 module-level tuple read by ``GenerationConfig.validate`` and the cache is built by an if/elif chain in
 ``GenerationMixin._prepare_cache_for_generation``. We extend the tuple and wrap that method so it builds our caches
-for our names and delegates everything else unchanged. The patch is idempotent and composes with other wrappers.
+for our names and delegates everything else unchanged. That method is not given the prompt, so ``generate`` is wrapped
+too, only to record the token ids it was called with: a cache bound to one prompt (SCD's, rebuilt from a payload)
+checks them before generation starts (``check_generate_prompt``). The patch is idempotent and composes with other
+wrappers.
 
 On a transformers outside ``SUPPORTED_TRANSFORMERS``, or one whose symbols are not what this version of hf_kvcodecs
 was written against, the patch is skipped with one :class:`UnsupportedTransformersWarning` (``import hf_kvcodecs``
@@ -13,6 +16,7 @@ included (``generate(..., cache=GSRQCache.for_generate(model, ...))``, or ``past
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import logging
@@ -29,6 +33,9 @@ SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
 _PATCH_MARKER = "_hf_kvcodecs_cache_implementations"
 
 CACHE_IMPLEMENTATIONS: dict[str, Callable] = {}
+# The token ids the innermost generate() call was given: _prepare_cache_for_generation does not receive them, and a
+# cache bound to a prompt (SCD's, rebuilt from a payload) must check them before generation starts.
+_GENERATE_PROMPT: contextvars.ContextVar = contextvars.ContextVar("hf_kvcodecs_generate_prompt", default=None)
 _warned: set[str] = set()  # one warning per reason, not one per name registered at import
 
 
@@ -61,6 +68,9 @@ def transformers_problems() -> list[str]:
         parameters = list(inspect.signature(method).parameters)
         if parameters[:3] != ["self", "generation_config", "model_kwargs"]:
             problems.append(f"GenerationMixin._prepare_cache_for_generation has signature {parameters}")
+    generate = getattr(GenerationMixin, "generate", None)
+    if generate is None or list(inspect.signature(generate).parameters)[:2] != ["self", "inputs"]:
+        problems.append("GenerationMixin.generate no longer takes (self, inputs, ...)")
     return problems
 
 
@@ -108,6 +118,7 @@ def register_cache_implementation(name: str, factory: Callable, *, strict: bool 
     if name not in generation_configuration.ALL_CACHE_IMPLEMENTATIONS:
         generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(generation_configuration.ALL_CACHE_IMPLEMENTATIONS) + (name,)
     _wrap_prepare_cache(GenerationMixin)
+    _wrap_generate(GenerationMixin)
     return True
 
 
@@ -146,6 +157,9 @@ def _wrap_prepare_cache(generation_mixin) -> None:
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         implementation = generation_config.cache_implementation
         user_cache = model_kwargs.get("cache") is not None or model_kwargs.get("past_key_values") is not None
+        if user_cache:
+            given = model_kwargs.get("cache")
+            _check_generate_prompt(given if given is not None else model_kwargs.get("past_key_values"), model_kwargs)
         if implementation in CACHE_IMPLEMENTATIONS and user_cache:
             # A compressed checkpoint makes our cache the model's default; a cache passed to generate() wins over a
             # default (transformers would refuse the pair). generation_config is generate()'s per-call copy.
@@ -172,6 +186,7 @@ def _wrap_prepare_cache(generation_mixin) -> None:
                 cache = EncoderDecoderCache(cache, DynamicCache(config=self.config.get_text_config(decoder=True)))
             if getattr(generation_config, "is_assistant", False):
                 _activate_past_recording(cache, generation_config)
+            _check_generate_prompt(cache, model_kwargs)
             model_kwargs["cache"] = cache
             return None
         return original(self, generation_config, model_kwargs, *args, **kwargs)
@@ -188,3 +203,36 @@ def _activate_past_recording(cache, generation_config) -> None:
         cache.activate_past_recording(recurrent_states_to_keep=generation_config.num_assistant_tokens)
     else:
         cache.activate_past_recording()
+
+
+def _wrap_generate(generation_mixin) -> None:
+    """Record the token ids each generate() call is given (``inputs``, or ``input_ids=``) for the duration of the
+    call, so :func:`_check_generate_prompt` can hand them to a cache bound to a prompt."""
+    original = generation_mixin.generate
+    if getattr(original, _PATCH_MARKER, None) is CACHE_IMPLEMENTATIONS:
+        return
+
+    @functools.wraps(original)
+    def generate(self, inputs=None, *args, **kwargs):
+        token = _GENERATE_PROMPT.set(inputs if inputs is not None else kwargs.get("input_ids"))
+        try:
+            return original(self, inputs, *args, **kwargs)
+        finally:
+            _GENERATE_PROMPT.reset(token)
+
+    setattr(generate, _PATCH_MARKER, CACHE_IMPLEMENTATIONS)
+    generation_mixin.generate = generate
+
+
+def _check_generate_prompt(cache, model_kwargs: dict) -> None:
+    """A cache bound to one prompt (it has ``check_generate_prompt``: an SCD cache rebuilt from a payload) refuses a
+    generate() call for another: it gets the call's token ids as given and its attention mask (None when generate()
+    found no padding), with the rows generate() has already expanded for beams or samples folded back."""
+    check = getattr(cache, "check_generate_prompt", None)
+    if not callable(check):
+        return
+    prompt, mask = _GENERATE_PROMPT.get(), model_kwargs.get("attention_mask")
+    if getattr(prompt, "ndim", 0) == 2 and getattr(mask, "ndim", 0) == 2 and mask.shape[0] > prompt.shape[0] \
+            and prompt.shape[0] and mask.shape[0] % prompt.shape[0] == 0:
+        mask = mask[::mask.shape[0] // prompt.shape[0]]  # _expand_inputs_for_generation repeats each row in place
+    check(prompt, mask)

@@ -243,6 +243,9 @@ class SCDTransferCache(DynamicCache):
         if input_ids is None:
             raise PairMismatchError("generate() got no input_ids (inputs_embeds only?), so the SCD payload cannot be "
                                     "checked against its prompt; pass the prompt's token ids.")
+        if attention_mask is None and isinstance(input_ids, torch.Tensor):
+            attention_mask = torch.ones(input_ids.shape[-2:] if input_ids.ndim == 2 else input_ids.shape,
+                                        dtype=torch.uint8)  # generate() drops a mask that has no padding
         self.payload_manifest.check_prompt(input_ids, attention_mask, payload_mask=self.prompt_attention_mask,
                                            new_tokens=1, what="generate()'s input_ids")
 
