@@ -108,6 +108,9 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     assert results["knowledge_base"]["recompute_blocks"] == [[2, 1]]
     assert results["other_knowledge_bases"]["scd-project"]["patch_mode"] == "project"
     assert results["other_knowledge_bases"]["scd-project"]["recompute_blocks"] == []
+    versus = results["pairwise_vs_scd"]
+    assert set(versus) == {"scd-16bit", "scd-project", "droidspeak-2"} and versus["scd-16bit"]["bytes_ratio"] > 1
+    assert versus["scd-16bit"]["nll"]["windows"] == 3 and versus["scd-project"]["kl"]["se"] is not None
     instructions = results["instructions"]
     assert instructions["oracle"]["f1"] == 1.0 and instructions["scd"]["trials"] == 2
     markdown = scd_markdown(results)

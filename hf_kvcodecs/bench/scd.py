@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
-from ..evaluation import WindowScores, paired_comparison, token_nll
+from ..evaluation import WindowScores, paired_comparison, paired_difference, token_nll
 from ..scd import SCDKnowledgeBase, SCDTransferCache, encode, truncate_payload
 from ..scd.model_access import decoder_layers, shapes, unwrapped
 from .instructions import instruction_prompts
@@ -274,6 +274,20 @@ def quality(producer, consumer, kb, kvtc_kb, windows: list[torch.Tensor], settin
     return results
 
 
+def pairwise(quality_results: dict, against: str = "scd") -> dict:
+    """Every other SCD operating point and DroidSpeak row against ``against``, paired by window: the mean
+    difference (other - against) of the per-window NLL and KL, with standard errors, and the bytes ratio."""
+    base = quality_results[against]
+    rows = {}
+    for name, row in quality_results.items():
+        if name == against or not name.startswith(("scd", "droidspeak-")):
+            continue
+        rows[name] = {"nll": paired_difference(row["window_nll"], base["window_nll"]),
+                      "kl": paired_difference(row["window_kl"], base["window_kl"]),
+                      "bytes_ratio": row["bytes_per_token"] / base["bytes_per_token"]}
+    return rows
+
+
 # ---- retrieval: pass-key and fact look-up ---------------------------------------------------------------------
 
 
@@ -497,7 +511,8 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
         "evaluation_text": evaluation_description, "settings": settings_dict(settings),
         "raw_16bit_bytes_per_token": 2 * num_layers * shapes(consumer).kv_width * 2,
         "quality": quality_results, "passkey": passkey_results, "fact_lookup": fact_results,
-        "instructions": instruction_results, "cost": {str(k): v for k, v in cost_rows.items()},
+        "instructions": instruction_results, "pairwise_vs_scd": pairwise(quality_results),
+        "cost": {str(k): v for k, v in cost_rows.items()},
         "ttft": sweeps, "speedup": {key: speedups(table) for key, table in sweeps.items()},
         "gpu_class_source": GPU_SOURCE, "seconds": time.perf_counter() - started,
     }
@@ -538,6 +553,11 @@ def scd_markdown(results: dict) -> str:
                      f"{key.get('exact_match', float('nan')):.2f} | {key.get('f1', float('nan')):.2f} | "
                      f"{fact.get('exact_match', float('nan')):.2f} | {fact.get('f1', float('nan')):.2f} | "
                      f"{instruction.get('f1', float('nan')):.2f} |")
+    lines += ["", "Against `scd`, paired by window (other minus scd; negative: the other is better):", "",
+              "| method | bytes vs scd | ΔNLL (nats/token) ± se | ΔKL ± se |", "|---|---:|---:|---:|"]
+    for name, row in results.get("pairwise_vs_scd", {}).items():
+        lines.append(f"| {name} | {row['bytes_ratio']:.2f}x | {row['nll']['mean']:+.4f} ± {row['nll']['se'] or 0:.4f} "
+                     f"| {row['kl']['mean']:+.4f} ± {row['kl']['se'] or 0:.4f} |")
     lines += ["", "SCD operating points:", ""]
     for name, summary in (("scd", results["knowledge_base"]), *results.get("other_knowledge_bases", {}).items()):
         blocks = ", ".join(f"{first}..{first + depth - 1}" for first, depth in summary.get("recompute_blocks", []))

@@ -10,6 +10,7 @@ from .paired import (
     fixed_windows,
     forward_nll,
     paired_comparison,
+    paired_difference,
     perplexity_metrics,
     prefill,
     strided_windows,
@@ -17,4 +18,4 @@ from .paired import (
 )
 
 __all__ = ["WindowScores", "decode_logprobs", "decode_nll", "decode_step", "divergence_metrics", "fixed_windows", "forward_nll",
-           "paired_comparison", "perplexity_metrics", "prefill", "strided_windows", "token_nll"]
+           "paired_comparison", "paired_difference", "perplexity_metrics", "prefill", "strided_windows", "token_nll"]

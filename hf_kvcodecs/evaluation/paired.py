@@ -184,8 +184,19 @@ def paired_comparison(scores: WindowScores, reference: WindowScores) -> dict:
         "windows": len(scores.nlls),
         "scored_tokens": paired["scored_tokens"],
     }
+    result["window_nll"] = paired["window_nll"]
     if scores.logprobs is not None and reference.logprobs is not None:
         divergence = divergence_metrics(scores.logprobs, None if scores is reference else reference.logprobs)
         result["kl_mean"] = divergence["kl_mean"]
         result["top1_agreement"] = divergence["top1_agreement"]
+        result["window_kl"] = divergence["window_kl"]
     return result
+
+
+def paired_difference(values: list[float], reference_values: list[float]) -> dict:
+    """Mean of the per-window differences ``values - reference_values`` and its standard error (windows paired)."""
+    if len(values) != len(reference_values) or not values:
+        raise ValueError(f"{len(values)} windows paired with {len(reference_values)}; pair the same windows.")
+    differences = torch.tensor(values, dtype=torch.float64) - torch.tensor(reference_values, dtype=torch.float64)
+    standard_error = differences.std().item() / math.sqrt(len(differences)) if len(differences) > 1 else None
+    return {"mean": differences.mean().item(), "se": standard_error, "windows": len(values)}
