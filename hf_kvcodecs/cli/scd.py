@@ -15,7 +15,8 @@ from .defaults import CALIBRATION_TEXT
 # checks them against the library.
 SCD_FIT = {"windows": 24, "window_tokens": 512, "holdout_prompts": 4, "holdout_context": 448,
            "holdout_continuation": 64, "exact_tokens": 4, "budget_kl": 0.05, "encoder": "pca", "code_bits": (8, 4),
-           "max_patch_layers": 4}
+           "max_patch_layers": 4, "code_format": "whitened", "code_gain": False}
+SCD_CODE_FORMATS = ("flat", "whitened")  # scd.knowledge_base.CODE_FORMATS
 SCD_ENCODERS = ("pca", "reduced_rank")  # scd.fit.ENCODERS
 
 
@@ -50,6 +51,13 @@ def add_parser(commands) -> None:
                           "'reduced_rank': codes fitted to predict this consumer (fewer components for the same error)")
     fit.add_argument("--code-bits", type=int, nargs="+", default=list(SCD_FIT["code_bits"]), choices=[4, 8, 16],
                      help="code precisions tried; the plan with the fewest bytes within the budget wins")
+    fit.add_argument("--code-format", default=SCD_FIT["code_format"], choices=SCD_CODE_FORMATS,
+                     help="'flat': each code's components at --code-bits with one scale per token; 'whitened': "
+                          "components whitened by the fitted spectrum, bits per component water-filled at the same "
+                          "bytes (4 and 8 of --code-bits name the bytes spent)")
+    fit.add_argument("--code-gain", action=argparse.BooleanOptionalAction, default=SCD_FIT["code_gain"],
+                     help="whitened codes: one per-token gain byte out of the same bytes (a searched rescale; slower "
+                          "to encode)")
     fit.add_argument("--max-patch-layers", type=int, default=SCD_FIT["max_patch_layers"],
                      help="most transition layers whose normalized input is sent instead of their KV")
     fit.add_argument("--patch-layers", type=int, nargs="+", default=None,
@@ -77,6 +85,7 @@ def run_fit(args) -> int:
     settings = SCDFitSettings(windows=args.windows, holdout_prompts=args.holdout_prompts, budget_kl=args.budget_kl,
                               encoder=args.encoder, code_bits=tuple(args.code_bits),
                               max_patch_layers=args.max_patch_layers, exact_tokens=args.exact_tokens,
+                              code_format=args.code_format, code_gain=args.code_gain,
                               patch_layers=None if args.patch_layers is None else tuple(args.patch_layers))
     ids = tokenize_corpus(producer.tokenizer, corpus)
     kb = fit_knowledge_base(producer.model, consumer.model, ids, settings=settings, text_info=corpus,
@@ -87,7 +96,8 @@ def run_fit(args) -> int:
     summary = {
         "out": str(args.out), "producer": producer.description, "consumer": consumer.description,
         "calibration_text": corpus.description, "budget_kl": fitting["budget_kl"], "budget_met": fitting["budget_met"],
-        "kl": round(fitting["kl"], 5), "code_bits": kb.code_bits, "patch_layers": kb.patch_layers,
+        "kl": round(fitting["kl"], 5), "code_bits": kb.code_bits, "code_format": kb.code_format,
+        "patch_layers": kb.patch_layers,
         "bytes_per_coded_token": fitting["bytes_per_coded_token"],
         "raw_16bit_bytes_per_token": fitting["raw_16bit_bytes_per_token"],
         "compression_vs_16bit": round(fitting["compression_vs_16bit"], 2),
