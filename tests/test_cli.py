@@ -273,13 +273,14 @@ def test_the_scd_fit_parser_defaults_are_the_library_defaults():
     assert scd_cli.SCD_FIT == {name: library[name] for name in scd_cli.SCD_FIT}
     assert scd_cli.SCD_ENCODERS == fit.ENCODERS
     for dest in ("budget_kl", "windows", "holdout_prompts", "encoder", "max_patch_layers", "exact_tokens",
-                 "patch_mode", "max_recompute_layers"):
+                 "patch_mode", "max_recompute_layers", "code_format", "code_gain"):
         assert _default(("scd", "fit"), dest) == library[dest]
     assert tuple(_default(("scd", "fit"), "code_bits")) == library["code_bits"]
     assert tuple(_default(("scd", "fit"), "recompute_depths")) == library["recompute_depths"]
-    from hf_kvcodecs.scd.knowledge_base import PATCH_MODES
+    from hf_kvcodecs.scd.knowledge_base import CODE_FORMATS, PATCH_MODES
 
     assert scd_cli.SCD_PATCH_MODES == PATCH_MODES
+    assert scd_cli.SCD_CODE_FORMATS == CODE_FORMATS
 
 
 def test_squat_cli_mirrors_the_library():

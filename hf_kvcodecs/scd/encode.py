@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codecs import bit_allocation
 from ..codecs.lowrank import pack_int4, unpack_int4
 from .coding import encode_layer
 from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase
@@ -78,6 +79,9 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
     if bits < kb.code_bits:
         raise KnowledgeBaseError(f"This knowledge base's plan was chosen for {kb.code_bits}-bit codes; coding at "
                                  f"{bits} bits would exceed its quality budget. Fit one for {bits}-bit codes.")
+    if kb.code_format == "whitened" and bits < 16 and bits != kb.code_bits:
+        raise KnowledgeBaseError(f"This knowledge base codes whitened widths allocated at the bytes of "
+                                 f"{kb.code_bits}-bit codes; code at {kb.code_bits} bits, or send floats (16 or 32).")
     kb.identity()  # an unsaved knowledge base is refused before the prefill: a payload must name its save
     identity = check_producer(producer, kb)
     model_shapes = shapes(producer)
@@ -186,27 +190,31 @@ def truncate_payload_plan(plan: list[LayerPlan], fraction: float) -> list[LayerP
         return 0 if rank == 0 else max(1, round(rank * fraction))
 
     return [LayerPlan(layer.index, layer.kind, keep(layer.key_rank), keep(layer.value_rank), keep(layer.patch_rank),
-                      layer.patch_mode, layer.depth) for layer in plan]
+                      layer.patch_mode, layer.depth,
+                      {name: code.prefix(keep(code.rank)) for name, code in layer.widths.items()})
+            for layer in plan]
 
 
 def truncate_payload(payload: bytes, fraction: float) -> bytes:
     """A smaller payload that keeps only the leading ``fraction`` of every code's components: what a sender does to
     fit a bandwidth budget (or what a receiver decodes when the rest has not arrived). PCA codes are ordered, so the
     consumer decodes the prefix with the same knowledge base, least-squares optimally: a documented partial decode,
-    whose manifest says which ranks it carries (the consumer accepts any rank from 1 to the knowledge base's)."""
+    whose manifest says which ranks it carries (the consumer accepts any rank from 1 to the knowledge base's).
+    Whitened codes are cut to the byte prefix of their first components
+    (:func:`~hf_kvcodecs.codecs.bit_allocation.truncate`), and the manifest carries those components' widths."""
     raw, sections = unpack_payload(payload)
     manifest = PayloadManifest.read(raw)
     bits = manifest.code_bits
     new_plan = truncate_payload_plan(list(manifest.layers), fraction)
     for old, new in zip(manifest.layers, new_plan):
-        names = (("key", old.key_rank, new.key_rank), ("value", old.value_rank, new.value_rank)) \
-            if old.kind == "reuse" else (("patch", old.patch_rank, new.patch_rank),)
-        for name, rank, kept in names:
+        for (name, rank), (_, kept) in zip(old.code_ranks(), new.code_ranks()):
             key = f"layers.{old.index}.{name}_codes"
             if key not in sections:
                 continue
             codes = sections[key]
-            if bits == 4:
+            if name in old.widths and bits < 16:
+                sections[key] = bit_allocation.truncate(codes, old.widths[name].bits, kept)
+            elif bits == 4:
                 sections[key] = pack_int4(unpack_int4(codes, rank)[..., :kept])
             else:
                 sections[key] = codes[..., :kept].contiguous()

@@ -15,7 +15,9 @@
    in ``project`` mode (the ablation) a layer whose KV is projected from the predicted normalized input. Then one
    knob sets every layer's rank (the smallest rank whose excess relative error over the full-rank map is at most ``tau``) and is
    bisected for the largest ``tau`` (fewest bytes) within the budget, for each code precision; the cheapest
-   feasible plan wins.
+   feasible plan wins. With ``code_format="whitened"`` every plan the search measures is first re-coded at the
+   bytes of its flat codes (:func:`~hf_kvcodecs.scd.coding.whiten_plan`: per map, bits water-filled over the
+   whitened components), so the same knob and precisions search whitened plans, at equal bytes by construction.
 """
 
 from __future__ import annotations
@@ -34,15 +36,17 @@ from transformers.cache_utils import DynamicCache
 from ..codecs.lowrank import CrossMoments, LowRankMap, fit_pca_map, fit_reduced_rank_map, relative_error_by_rank
 from ..text import Corpus
 from .cache import rebuild_into
-from .coding import encode_layer
+from .coding import encode_layer, whiten_plan
 from .encode import exact_columns
 from .knowledge_base import (
     CODE_BITS,
+    CODE_FORMATS,
     PATCH_MODES,
     LayerPlan,
     SCDKnowledgeBase,
     patch_plan,
     plan_bytes_per_token,
+    plan_code_format,
     plan_problems,
     recomputed_layer_count,
     reuse_plan,
@@ -74,6 +78,12 @@ class SCDFitSettings:
     budget_kl: float = 0.05  # mean KL(oracle || SCD) in nats per continuation token
     encoder: str = "pca"  # "pca": consumer-agnostic progressive codes; "reduced_rank": consumer-specific codes
     code_bits: tuple[int, ...] = (8, 4)  # precisions tried; the cheapest plan within the budget wins
+    # "whitened": per-component widths water-filled at the bytes of the flat code (lower KL at equal bytes, see
+    # benchmarks/results/scd_code_format); "flat": each code at code_bits with one scale per token
+    code_format: str = "whitened"
+    # whitened codes: one searched per-token gain byte out of the same bytes; off by default: within 0.007 nats of
+    # the KL without it on the default model's held-out text, at 2-4x the encoding time
+    code_gain: bool = False
     max_patch_layers: int = 4
     patch_mode: str = "recompute"  # "recompute": SCD's Patch; "project": the projection-only ablation
     recompute_depths: tuple[int, ...] = (1, 4, 8, 32)  # candidate depths, each clipped to the layers left
@@ -93,6 +103,8 @@ class SCDFitSettings:
             raise ValueError(f"code_bits must be a non-empty choice among {CODE_BITS}, got {self.code_bits}.")
         if self.budget_kl <= 0:
             raise ValueError("budget_kl must be positive.")
+        if self.code_format not in CODE_FORMATS:
+            raise ValueError(f"code_format must be one of {CODE_FORMATS}, got {self.code_format!r}.")
         if self.patch_mode not in PATCH_MODES:
             raise ValueError(f"patch_mode must be one of {PATCH_MODES}, got {self.patch_mode!r}.")
         if not self.recompute_depths or any(type(d) is not int or d < 1 for d in self.recompute_depths):
@@ -192,6 +204,7 @@ class BudgetJudge:
             count += logprobs.shape[0]
         value = total / max(count, 1)
         self.measurements.append({"bits": bits, "components": sum(layer.components() for layer in plan),
+                                  "bytes_per_token": plan_bytes_per_token(plan, bits),
                                   "patch_layers": [layer.index for layer in plan if layer.kind == "patch"],
                                   "recompute_blocks": [[layer.index, layer.depth] for layer in plan
                                                        if layer.recomputes],
@@ -358,24 +371,32 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
                                settings.exact_tokens, identity, consumer_identity, tokenizer_sha256(tokenizer),
                                residuals=patch_maps if recompute else {})
     judge = BudgetJudge(consumer, working, prompts)
+    allocations: dict = {}
+
+    def plan_at(tau: float, patches: dict[int, int], bits: int) -> list[LayerPlan]:
+        """The plan measured and sent at knob ``tau``: flat, or whitened at the same bytes."""
+        plan = plan_for(tau, patches, curves)
+        if settings.code_format == "whitened" and bits < 16:
+            plan = whiten_plan(plan, working, bits, settings.code_gain, allocations)
+        return plan
 
     finest = min(settings.tau_range)
     best_bits = max(settings.code_bits)
     search = {"patch_mode": settings.patch_mode, "reuse_only_full_rank_kl": None, "patch_rounds": [], "bisection": {}}
     patches: dict[int, int] = {}
-    current = judge.kl(plan_for(0.0, patches, curves), best_bits)
+    current = judge.kl(plan_at(0.0, patches, best_bits), best_bits)
     search["reuse_only_full_rank_kl"] = current
     if settings.patch_layers is not None:
         patches = _forced_patches(settings)
         search["forced_patch_layers"] = sorted(patches)
         search["forced_patch_depths"] = [patches[index] for index in sorted(patches)]
-        search["forced_patch_full_rank_kl"] = judge.kl(plan_for(0.0, patches, curves), best_bits)
+        search["forced_patch_full_rank_kl"] = judge.kl(plan_at(0.0, patches, best_bits), best_bits)
     floors = [float(curves["keys"][i][-1] + curves["values"][i][-1]) for i in range(num_layers)]
     rounds = 0 if settings.patch_layers is not None else settings.max_patch_layers
     with tqdm(total=rounds, desc="SCD patch layers", disable=not progress) as bar:
         for _ in range(rounds):
             trials = patch_trials(patches, floors, settings, lambda candidate: judge.kl(
-                plan_for(0.0, {**patches, candidate[0]: candidate[1]}, curves), best_bits))
+                plan_at(0.0, {**patches, candidate[0]: candidate[1]}, best_bits), best_bits))
             if not trials:
                 break
             lowest = min(trials.values())
@@ -395,11 +416,11 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         low, high = math.log(finest), math.log(max(settings.tau_range))
         trace = []
         feasible_tau = None
-        if judge.kl(plan_for(finest, patches, curves), bits) <= settings.budget_kl:
+        if judge.kl(plan_at(finest, patches, bits), bits) <= settings.budget_kl:
             feasible_tau = finest
             for _ in range(settings.bisection_steps):
                 middle = (low + high) / 2
-                kl = judge.kl(plan_for(math.exp(middle), patches, curves), bits)
+                kl = judge.kl(plan_at(math.exp(middle), patches, bits), bits)
                 trace.append({"tau": math.exp(middle), "kl": kl})
                 if kl <= settings.budget_kl:
                     low, feasible_tau = middle, math.exp(middle)
@@ -408,7 +429,7 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         search["bisection"][str(bits)] = {"feasible_tau": feasible_tau, "trace": trace}
         if feasible_tau is None:
             continue
-        plan = plan_for(feasible_tau, patches, curves)
+        plan = plan_at(feasible_tau, patches, bits)
         candidate = (_bytes_per_token(plan, bits), bits, feasible_tau, plan)
         if best is None or candidate[0] < best[0]:
             best = candidate
@@ -431,7 +452,8 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         "text": text_info.to_dict() if isinstance(text_info, Corpus) else (text_info or {}),
         "statistics_tokens": moments.tokens, "statistics_windows": len(windows),
         "holdout_prompts": len(prompts), "budget_kl": settings.budget_kl, "budget_met": budget_met,
-        "kl": chosen_kl, "tau": tau, "code_bits": bits, "bytes_per_coded_token": bytes_per_token,
+        "kl": chosen_kl, "tau": tau, "code_bits": bits, "code_format": plan_code_format(plan),
+        "bytes_per_coded_token": bytes_per_token,
         "raw_16bit_bytes_per_token": raw_bytes, "compression_vs_16bit": raw_bytes / bytes_per_token,
         "recomputed_layers": recomputed_layer_count(plan),
         "search": search, "measurements": judge.measurements, "seconds": time.perf_counter() - started,
@@ -490,12 +512,15 @@ def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, 
                              windows: int = 8, exact_tokens: int = 4, patch_layers: tuple[int, ...] = (),
                              patch_mode: str = "recompute", patch_depths: tuple[int, ...] | None = None,
                              code_bits: int = 16, ridge: float = 0.0, encoder: str = "pca",
+                             code_format: str = "flat", code_gain: bool = False,
                              tokenizer=None) -> SCDKnowledgeBase:
     """A knowledge base at full rank with no budget search (for exactness checks and ablations): every layer's maps
     at full rank, the given Patch layers (``patch_mode`` ``recompute`` with ``patch_depths``, default 1 each, or
-    ``project``), ``code_bits`` codes."""
+    ``project``), ``code_bits`` codes. ``code_format="whitened"`` (below 16 bits) re-codes the full-rank plan at the
+    bytes of its flat ``code_bits`` codes (the maps stay at full rank; the plan's ranks are the allocations')."""
     settings = SCDFitSettings(windows=windows, window_tokens=window_tokens, exact_tokens=exact_tokens,
-                              encoder=encoder, ridge=ridge, patch_mode=patch_mode,
+                              encoder=encoder, ridge=ridge, patch_mode=patch_mode, code_format=code_format,
+                              code_gain=code_gain,
                               patch_layers=tuple(patch_layers) if patch_layers else None,
                               patch_depths=tuple(patch_depths) if patch_depths else None)
     settings.check()
@@ -515,12 +540,15 @@ def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, 
     merged = merged_identity(consumer)
     if merged is not None:  # a merge_and_unload()ed consumer is served too, as fit_knowledge_base's are
         consumer_identity["merged_weights_sha256"] = merged["weights_sha256"]
-    return SCDKnowledgeBase(plan, {p.index: maps["keys"][p.index] for p in plan if p.kind == "reuse"},
-                            {p.index: maps["values"][p.index] for p in plan if p.kind == "reuse"},
-                            patch if patch_mode == "project" else {}, code_bits,
-                            exact_tokens, {**model_identity(producer), "name": ""},
-                            consumer_identity, tokenizer_sha256(tokenizer),
-                            {"settings": {**asdict(settings), "patch_layers": list(patch_layers),
-                                          "patch_depths": list(patch_depths or ())},
-                             "statistics_tokens": moments.tokens},
-                            residuals=patch if patch_mode == "recompute" else {})
+    kb = SCDKnowledgeBase(plan, {p.index: maps["keys"][p.index] for p in plan if p.kind == "reuse"},
+                          {p.index: maps["values"][p.index] for p in plan if p.kind == "reuse"},
+                          patch if patch_mode == "project" else {}, code_bits,
+                          exact_tokens, {**model_identity(producer), "name": ""},
+                          consumer_identity, tokenizer_sha256(tokenizer),
+                          {"settings": {**asdict(settings), "patch_layers": list(patch_layers),
+                                        "patch_depths": list(patch_depths or ())},
+                           "statistics_tokens": moments.tokens},
+                          residuals=patch if patch_mode == "recompute" else {})
+    if code_format == "whitened" and code_bits < 16:
+        kb.plan = whiten_plan(kb.plan, kb, code_bits, code_gain)
+    return kb

@@ -52,7 +52,8 @@ PATCH_MODES = ("recompute", "project")
 CODE_BITS = (4, 8, 16, 32)
 CODE_FORMATS = ("flat", "whitened")
 WHITENED_CODE_BITS = (4, 8)  # the flat widths a whitened allocation matches the bytes of
-MAX_CODE_COMPONENTS = 1 << 16  # far above any model's state width; bounds what a manifest's width runs may ask for
+# far above any model's plan (30 layers of width 192: 11 520); bounds what a manifest's width runs may expand to
+MAX_PLAN_COMPONENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,14 @@ class CodeWidths:
         return runs
 
     @classmethod
-    def from_runs(cls, runs, gain: bool) -> CodeWidths:
+    def from_runs(cls, runs, gain: bool, limit: int = MAX_PLAN_COMPONENTS) -> CodeWidths:
+        """Inverse of :meth:`runs`; refuses runs of more than ``limit`` components before expanding them."""
         if not isinstance(runs, list) or len(runs) > MAX_BITS or not all(
                 isinstance(run, list) and len(run) == 2 and all(type(v) is int for v in run) for run in runs):
             raise ValueError(f"code widths must be a list of at most {MAX_BITS} [width, count] pairs of integers")
-        if any(count < 1 for _, count in runs) or sum(count for _, count in runs) > MAX_CODE_COMPONENTS:
-            raise ValueError(f"each [width, count] run of code widths needs a positive count, and a code has at most "
-                             f"{MAX_CODE_COMPONENTS} components")
+        if any(count < 1 for _, count in runs) or sum(count for _, count in runs) > limit:
+            raise ValueError(f"each [width, count] run of code widths needs a positive count, and a plan's codes have "
+                             f"at most {MAX_PLAN_COMPONENTS} components in all")
         return cls(tuple(width for width, count in runs for _ in range(count)), gain)
 
 
@@ -429,7 +431,8 @@ def plan_bytes_per_token(plan: list[LayerPlan], bits: int) -> float:
     return code_bytes + rms_bytes * len(recompute_blocks(plan))
 
 
-def _read_widths(item: dict, stored_bits: Callable[[int, str], Sequence[int]] | None) -> dict[str, CodeWidths]:
+def _read_widths(item: dict, stored_bits: Callable[[int, str], Sequence[int]] | None,
+                 limit: int) -> dict[str, CodeWidths]:
     codes = item.get("codes")
     if codes is None:
         return {}
@@ -443,7 +446,8 @@ def _read_widths(item: dict, stored_bits: Callable[[int, str], Sequence[int]] | 
         if stored_bits is None:
             if set(spec) != {"gain", "bits"}:
                 raise ValueError(f"plan entry {item.get('index')}: codes.{name} must hold exactly 'gain' and 'bits'")
-            widths[name] = CodeWidths.from_runs(spec["bits"], spec["gain"])
+            widths[name] = CodeWidths.from_runs(spec["bits"], spec["gain"], limit)
+            limit -= widths[name].rank
         else:
             if set(spec) != {"gain"}:
                 raise ValueError(f"plan entry {item.get('index')}: codes.{name} must hold 'gain' only (the widths "
@@ -458,6 +462,7 @@ def _read_plan(raw, stored_bits: Callable[[int, str], Sequence[int]] | None = No
     if not isinstance(raw, list) or not raw or len(raw) > 4096:
         raise ValueError("the plan must be a non-empty list of layers")
     plan = []
+    remaining = MAX_PLAN_COMPONENTS  # what the width runs may still expand to
     for item in raw:
         if not isinstance(item, dict) or item.get("kind") not in LAYER_KINDS:
             raise ValueError(f"each plan entry needs a kind in {LAYER_KINDS}, got {item!r}")
@@ -469,7 +474,9 @@ def _read_plan(raw, stored_bits: Callable[[int, str], Sequence[int]] | None = No
             mode, numbers["depth"] = "project", 1
         if not isinstance(mode, str):
             raise ValueError(f"plan entry {item!r}: patch_mode must be a string")
-        plan.append(LayerPlan(kind=item["kind"], patch_mode=mode, widths=_read_widths(item, stored_bits), **numbers))
+        widths = _read_widths(item, stored_bits, remaining)
+        remaining -= sum(code.rank for code in widths.values())
+        plan.append(LayerPlan(kind=item["kind"], patch_mode=mode, widths=widths, **numbers))
     problems = plan_problems(plan)
     if problems:
         raise ValueError("; ".join(problems[:3]))

@@ -11,8 +11,10 @@ its CRC-32) whose manifest says what the sections are for and whom. The manifest
 - the tokenizer (``tokenizer_sha256``, always the knowledge base's own, ``null`` for one fitted without a
   tokenizer) and the prompt (``token_ids_sha256``: its token ids and attention mask);
 - its sizes (``batch``, ``tokens``, ``exact_columns``: the leading columns the consumer computes itself, always the
-  left padding plus the knowledge base's ``exact_tokens``) and its codes (``code_bits``, ``layers``: the layer plan,
-  with each layer's carried ranks).
+  left padding plus the knowledge base's ``exact_tokens``) and its codes (``code_format``, ``code_bits``,
+  ``layers``: the layer plan, with each layer's carried ranks and, for whitened codes, the widths of the components
+  it carries as ``[width, count]`` runs and whether it sends gains: enough to cut the codes to a shorter prefix
+  without the knowledge base, see :func:`~hf_kvcodecs.scd.encode.truncate_payload`).
 
 Everything else follows from those: the section table (every section's name, dtype and shape, in wire order) is
 derived from the plan and the sizes, so a producer writes the manifest before its first section exists and then
@@ -28,6 +30,7 @@ and names what to do about it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -36,8 +39,18 @@ from typing import Any
 
 import torch
 
-from .coding import rms_dtype
-from .knowledge_base import CODE_BITS, KnowledgeBaseError, LayerPlan, SCDKnowledgeBase, _read_plan, plan_bytes_per_token
+from .coding import section_layout
+from .knowledge_base import (
+    CODE_BITS,
+    CODE_FORMATS,
+    WHITENED_CODE_BITS,
+    KnowledgeBaseError,
+    LayerPlan,
+    SCDKnowledgeBase,
+    _read_plan,
+    plan_bytes_per_token,
+    plan_code_format,
+)
 from .model_access import token_ids_sha256, tokenizer_sha256
 from .payload import CRC_BYTES, HEADER_BYTES, MAX_MANIFEST_BYTES, PayloadError, PayloadWriter, SectionSpec
 
@@ -50,7 +63,9 @@ __all__ = [
 CODEC_ID = "hf_kvcodecs.scd.reuse_patch"
 # 1: projection-only Patch layers; 2: recompute Patch layers; 3: the typed manifest (active adapters and their
 # scaling in the identities, a knowledge-base id and tokenizer hash always named, no unknown keys) in payload format 2
-# (section CRCs after the sections, so sections stream as they are produced).
+# (section CRCs after the sections, so sections stream as they are produced). Whitened codes (per-component widths in
+# the layer table, gains instead of scales) add the key code_format, which a reader that predates them refuses as
+# unknown; flat payloads leave it out and are what they were.
 CODEC_VERSION = 3
 READABLE_CODEC_VERSIONS = (3,)
 
@@ -61,9 +76,9 @@ DEFAULT_MAX_TOKENS = 32_768
 
 _MAX_ID_CHARS = 256
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_CODE_DTYPES = {4: torch.uint8, 8: torch.int8, 16: torch.float16, 32: torch.float32}
 _KEYS = ("codec", "codec_version", "knowledge_base", "producer", "consumer", "tokenizer_sha256", "token_ids_sha256",
          "batch", "tokens", "exact_columns", "code_bits", "layers")
+_OPTIONAL_KEYS = ("code_format",)  # written for whitened codes only; absent means flat
 _CONTAINER_KEYS = ("sections",)  # written and checked by the container (payload.py)
 
 
@@ -264,17 +279,25 @@ class PayloadManifest:
     codec: str = CODEC_ID
     codec_version: int = CODEC_VERSION
 
+    @property
+    def code_format(self) -> str:
+        """``whitened`` when the layer table carries code widths (always below 16 bits), else ``flat``."""
+        return plan_code_format(self.layers)
+
     # ---- built by the producer --------------------------------------------------------------------------------
     @classmethod
     def for_prompt(cls, kb: SCDKnowledgeBase, producer_identity: Mapping, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor, code_bits: int) -> PayloadManifest:
         """The manifest of ``kb``'s payload for a prompt ``[B, T]`` (left-padded ``attention_mask``), coded by a
         producer whose identity was checked against ``kb``. Refuses an unsaved knowledge base (a payload must name
-        the save that decodes it)."""
+        the save that decodes it). A whitened knowledge base's plan travels with its widths, except at 16 and 32
+        bits, where codes are floats in either format."""
+        layers = tuple(kb.plan) if code_bits < 16 else tuple(dataclasses.replace(layer, widths={})
+                                                                for layer in kb.plan)
         return cls(kb.identity(), ModelBinding.from_identity(producer_identity),
                    ModelBinding.from_identity(kb.consumer), kb.tokenizer_sha256,
                    token_ids_sha256(input_ids, attention_mask), int(input_ids.shape[0]), int(input_ids.shape[1]),
-                   exact_columns(attention_mask, kb.exact_tokens), int(code_bits), tuple(kb.plan))
+                   exact_columns(attention_mask, kb.exact_tokens), int(code_bits), layers)
 
     @property
     def coded_tokens(self) -> int:
@@ -283,27 +306,16 @@ class PayloadManifest:
 
     def section_table(self) -> list[SectionSpec]:
         """Every section the payload carries, in wire order: the attention mask ``[B, T]`` (uint8), the exact
-        columns' token ids ``[B, E]`` (int64), then, if any column is coded, each layer's codes ``[B, T - E, width]``
-        (``width`` = rank, or ``ceil(rank / 2)`` bytes at 4 bits), their scales ``[B, T - E]`` (float16, below 16
-        bits) and a recompute Patch layer's RMS ``[B, T - E]``, in layer order."""
+        columns' token ids ``[B, E]`` (int64), then, if any column is coded, each layer's sections in layer order as
+        :func:`~hf_kvcodecs.scd.coding.section_layout` lists them (codes, their scales or gains, a recompute Patch
+        layer's RMS)."""
         batch, coded = self.batch, self.coded_tokens
         table = [SectionSpec("input.attention_mask", torch.uint8, (batch, self.tokens)),
                  SectionSpec("input.exact_token_ids", torch.int64, (batch, self.exact_columns))]
         if coded == 0:
             return table
-        bits = self.code_bits
         for layer in self.layers:
-            if layer.kind == "recomputed":
-                continue
-            ranks = (("key", layer.key_rank), ("value", layer.value_rank)) if layer.kind == "reuse" else \
-                (("patch", layer.patch_rank),)
-            for name, rank in ranks:
-                width = rank if bits != 4 else (rank + 1) // 2
-                table.append(SectionSpec(f"layers.{layer.index}.{name}_codes", _CODE_DTYPES[bits], (batch, coded, width)))
-                if bits < 16:
-                    table.append(SectionSpec(f"layers.{layer.index}.{name}_scales", torch.float16, (batch, coded)))
-            if layer.recomputes:
-                table.append(SectionSpec(f"layers.{layer.index}.patch_rms", rms_dtype(bits), (batch, coded)))
+            table.extend(section_layout(layer, self.code_bits, batch, coded))
         return table
 
     # ---- the writer -------------------------------------------------------------------------------------------
@@ -313,6 +325,7 @@ class PayloadManifest:
                 "producer": self.producer.to_json(), "consumer": self.consumer.to_json(),
                 "tokenizer_sha256": self.tokenizer_sha256, "token_ids_sha256": self.token_ids_sha256,
                 "batch": self.batch, "tokens": self.tokens, "exact_columns": self.exact_columns,
+                **({"code_format": self.code_format} if self.code_format != "flat" else {}),
                 "code_bits": self.code_bits, "layers": [layer.to_dict() for layer in self.layers]}
 
     def writer(self) -> PayloadWriter:
@@ -380,7 +393,7 @@ class PayloadManifest:
                   f"{', '.join(map(str, READABLE_CODEC_VERSIONS))}); upgrade hf_kvcodecs on the consumer or re-encode "
                   "on the producer with this version.")
         missing = [key for key in _KEYS if key not in raw]
-        unknown = sorted(key for key in raw if key not in _KEYS and key not in _CONTAINER_KEYS)
+        unknown = sorted(key for key in raw if key not in _KEYS + _OPTIONAL_KEYS + _CONTAINER_KEYS)
         if missing or unknown:
             _fail(f"The payload's manifest must have exactly the keys of codec version {CODEC_VERSION}; missing "
                   f"{missing}, unknown {[str(key)[:40] for key in unknown[:5]]}.")
@@ -415,6 +428,15 @@ class PayloadManifest:
             plan = _read_plan(layers)
         except ValueError as error:
             _fail(f"The payload's layer table is malformed: {str(error)[:300]}.")
+        code_format = raw.get("code_format", "flat")
+        if code_format not in CODE_FORMATS:
+            _fail(f"The payload's code_format must be one of {list(CODE_FORMATS)}, got {str(code_format)[:40]!r}.")
+        if code_format != plan_code_format(plan):
+            _fail(f"The payload's code_format is {code_format!r} but its layer table "
+                  f"{'carries' if plan_code_format(plan) == 'whitened' else 'carries no'} code widths.")
+        if code_format == "whitened" and bits not in WHITENED_CODE_BITS:
+            _fail(f"The payload's whitened codes are marked {bits}-bit; whitened codes spend the bytes of "
+                  f"{' or '.join(map(str, WHITENED_CODE_BITS))}-bit flat codes (floats are sent flat).")
         return cls(knowledge_base, producer, consumer, tokenizer, token_ids, batch, tokens, exact, bits, tuple(plan),
                    raw["codec"], version)
 
@@ -469,6 +491,13 @@ class PayloadManifest:
         if self.code_bits < kb.code_bits:
             _fail(f"The payload's codes are {self.code_bits}-bit; this knowledge base decodes {kb.code_bits}-bit codes "
                   "or finer.")
+        if self.code_bits < 16 and self.code_format != kb.code_format:
+            _fail(f"The payload's codes are {self.code_format}; this knowledge base codes {kb.code_format} "
+                  "(below 16 bits a payload uses the knowledge base's code format). Re-encode with this knowledge "
+                  "base.")
+        if self.code_format == "whitened" and self.code_bits != kb.code_bits:
+            _fail(f"The payload's whitened codes are marked {self.code_bits}-bit; this knowledge base's widths spend "
+                  f"the bytes of {kb.code_bits}-bit codes.")
         if len(self.layers) != kb.num_layers:
             _fail(f"The payload has {len(self.layers)} layers; the knowledge base {kb.num_layers}.")
         for carried, fitted in zip(self.layers, kb.plan):
@@ -485,6 +514,10 @@ class PayloadManifest:
             for rank, limit, name in ranks:
                 if not (1 <= rank <= limit or rank == 0 == limit):
                     _fail(f"Layer {carried.index} carries {name} rank {rank}; the knowledge base decodes 1..{limit}.")
+                if name in carried.widths and carried.widths[name] != fitted.widths[name].prefix(rank):
+                    _fail(f"Layer {carried.index}'s {name} code widths (gain {carried.widths[name].gain}, "
+                          f"{carried.widths[name].runs()[:4]}...) are not the first {rank} of the knowledge base's "
+                          f"(gain {fitted.widths[name].gain}, {fitted.widths[name].prefix(rank).runs()[:4]}...).")
 
     def _check_sections(self, sections: Mapping[str, torch.Tensor], kb: SCDKnowledgeBase,
                         vocab_size: int | None) -> None:
