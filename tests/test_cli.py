@@ -21,9 +21,10 @@ from hf_kvcodecs.cli._common import HelpFormatter
 
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
             ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
-            ("bench", "squat"), ("squat",), ("scd", "make-consumer"), ("scd", "fit")}
+            ("bench", "squat"), ("bench", "scd-mismatch"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
+            ("scd", "fit")}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
-PAIR_COMMANDS = {("bench", "scd"), ("scd", "fit")}
+PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("scd", "fit")}
 # Imported by commands when they run, never by `import hf_kvcodecs` (the package's own imports, which register it with
 # transformers, already load torch, transformers and the GSRQ cache and calibration).
 HEAVY_MODULES = ["matplotlib", "hf_kvcodecs.bench.harness", "hf_kvcodecs.bench.kv", "hf_kvcodecs.bench.decode",

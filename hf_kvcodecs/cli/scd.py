@@ -15,8 +15,10 @@ from .defaults import CALIBRATION_TEXT
 # checks them against the library.
 SCD_FIT = {"windows": 24, "window_tokens": 512, "holdout_prompts": 4, "holdout_context": 448,
            "holdout_continuation": 64, "exact_tokens": 4, "budget_kl": 0.05, "encoder": "pca", "code_bits": (8, 4),
-           "max_patch_layers": 4, "code_format": "whitened", "code_gain": False}
+           "max_patch_layers": 4, "patch_mode": "recompute", "recompute_depths": (1, 4, 8, 32),
+           "max_recompute_layers": 16, "code_format": "whitened", "code_gain": False}
 SCD_CODE_FORMATS = ("flat", "whitened")  # scd.knowledge_base.CODE_FORMATS
+SCD_PATCH_MODES = ("recompute", "project")  # scd.knowledge_base.PATCH_MODES
 SCD_ENCODERS = ("pca", "reduced_rank")  # scd.fit.ENCODERS
 
 
@@ -59,10 +61,20 @@ def add_parser(commands) -> None:
                      help="whitened codes: one per-token gain byte out of the same bytes (a searched rescale; slower "
                           "to encode)")
     fit.add_argument("--max-patch-layers", type=int, default=SCD_FIT["max_patch_layers"],
-                     help="most transition layers whose normalized input is sent instead of their KV")
+                     help="most transition (Patch) layers; 0 sends every layer as Reuse codes")
+    fit.add_argument("--patch-mode", default=SCD_FIT["patch_mode"], choices=SCD_PATCH_MODES,
+                     help="'recompute' (SCD's Patch): the producer codes its residual stream at a transition layer "
+                          "and the consumer runs its own layers from there for a fitted depth; 'project' (an "
+                          "ablation): the consumer projects one layer's KV from the predicted normalized input")
+    fit.add_argument("--recompute-depths", type=positive_int, nargs="+", default=list(SCD_FIT["recompute_depths"]),
+                     help="recompute depths tried at each candidate transition layer (clipped to the layers left)")
+    fit.add_argument("--max-recompute-layers", type=int, default=SCD_FIT["max_recompute_layers"],
+                     help="most consumer layers recomputed over the prompt, all blocks together (its compute cost)")
     fit.add_argument("--patch-layers", type=int, nargs="+", default=None,
                      help="use these transition layers instead of choosing them, an ablation (default: chosen "
                           "greedily under the budget)")
+    fit.add_argument("--patch-depths", type=positive_int, nargs="+", default=None,
+                     help="with --patch-layers in recompute mode: each block's depth (default 1 each)")
     fit.add_argument("--exact-tokens", type=int, default=SCD_FIT["exact_tokens"],
                      help="first tokens of each prompt (attention sinks) the consumer computes itself")
     fit.set_defaults(func=run_fit)
@@ -86,7 +98,11 @@ def run_fit(args) -> int:
                               encoder=args.encoder, code_bits=tuple(args.code_bits),
                               max_patch_layers=args.max_patch_layers, exact_tokens=args.exact_tokens,
                               code_format=args.code_format, code_gain=args.code_gain,
-                              patch_layers=None if args.patch_layers is None else tuple(args.patch_layers))
+                              patch_mode=args.patch_mode, recompute_depths=tuple(args.recompute_depths),
+                              max_recompute_layers=args.max_recompute_layers,
+                              patch_layers=None if args.patch_layers is None else tuple(args.patch_layers),
+                              patch_depths=None if args.patch_depths is None else tuple(args.patch_depths))
+    settings.check()
     ids = tokenize_corpus(producer.tokenizer, corpus)
     kb = fit_knowledge_base(producer.model, consumer.model, ids, settings=settings, text_info=corpus,
                             tokenizer=producer.tokenizer, producer_name=producer.description,
@@ -98,6 +114,8 @@ def run_fit(args) -> int:
         "calibration_text": corpus.description, "budget_kl": fitting["budget_kl"], "budget_met": fitting["budget_met"],
         "kl": round(fitting["kl"], 5), "code_bits": kb.code_bits, "code_format": kb.code_format,
         "patch_layers": kb.patch_layers,
+        "patch_mode": fitting["settings"]["patch_mode"],
+        "recompute_blocks": [[layer.index, layer.depth] for layer in kb.plan if layer.recomputes],
         "bytes_per_coded_token": fitting["bytes_per_coded_token"],
         "raw_16bit_bytes_per_token": fitting["raw_16bit_bytes_per_token"],
         "compression_vs_16bit": round(fitting["compression_vs_16bit"], 2),
