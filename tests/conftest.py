@@ -1,3 +1,4 @@
+import copy
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -160,3 +161,31 @@ def generation_mode(mode: str):
         kwargs = dict(attention_mask=(torch.arange(ids.shape[1]) >= 9).long()[None].repeat(2, 1))
         kwargs["attention_mask"][0] = 1
     return ids, kwargs
+
+
+# ---- a tiny SCD pair whose mismatch enters at layer 1 and grows with depth (test_scd_recompute, test_scd_codes) ----
+
+SCD_PAIR_LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def producer():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=SCD_PAIR_LAYERS)).eval()
+
+
+@pytest.fixture(scope="module")
+def deep_mismatch_consumer(producer):
+    """The producer with every layer from 1 on perturbed: the mismatch enters at layer 1 and grows with depth."""
+    consumer = copy.deepcopy(producer)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in consumer.model.layers[1:]:
+            for module in (layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.down_proj):
+                module.weight.add_(0.5 * module.weight.std() * torch.randn(module.weight.shape, generator=generator))
+    return consumer
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return torch.randint(3, 128, (6000,), generator=torch.Generator().manual_seed(3))

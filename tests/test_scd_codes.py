@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from hf_kvcodecs.codecs import bit_allocation
 from hf_kvcodecs.scd import (
@@ -44,32 +44,12 @@ from hf_kvcodecs.scd.knowledge_base import (
 from hf_kvcodecs.scd.manifest import PayloadManifest
 from hf_kvcodecs.scd.payload import pack_payload, unpack_payload
 
-from .conftest import tiny_llama_config
-
 LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def producer():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
-
-
-@pytest.fixture(scope="module")
-def consumer(producer):
-    """The producer with every layer from 1 on perturbed: a mismatched pair."""
-    consumer = copy.deepcopy(producer)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in consumer.model.layers[1:]:
-            for module in (layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.down_proj):
-                module.weight.add_(0.5 * module.weight.std() * torch.randn(module.weight.shape, generator=generator))
-    return consumer
-
-
-@pytest.fixture(scope="module")
-def stream():
-    return torch.randint(3, 128, (6000,), generator=torch.Generator().manual_seed(3))
+def consumer(deep_mismatch_consumer):
+    return deep_mismatch_consumer
 
 
 KB_SETTINGS = {"reuse": {}, "recompute": {"patch_layers": (1,), "patch_depths": (2,)},

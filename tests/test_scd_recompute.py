@@ -7,11 +7,9 @@ while Reuse of every layer and the projection-only Patch (an ablation) cannot.""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from transformers import DynamicCache, LlamaForCausalLM
+from transformers import DynamicCache
 
 from hf_kvcodecs.scd import (
     PayloadError,
@@ -27,32 +25,7 @@ from hf_kvcodecs.scd.fit import continuation_logprobs, kl_divergence, patch_tria
 from hf_kvcodecs.scd.knowledge_base import LayerPlan, _read_plan, plan_bytes_per_token, plan_problems
 from hf_kvcodecs.scd.payload import pack_payload, unpack_payload
 
-from .conftest import tiny_llama_config
-
 LAYERS = 4
-
-
-@pytest.fixture(scope="module")
-def producer():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(num_hidden_layers=LAYERS)).eval()
-
-
-@pytest.fixture(scope="module")
-def deep_mismatch_consumer(producer):
-    """The producer with every layer from 1 on perturbed: the mismatch enters at layer 1 and grows with depth."""
-    consumer = copy.deepcopy(producer)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for layer in consumer.model.layers[1:]:
-            for module in (layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.down_proj):
-                module.weight.add_(0.5 * module.weight.std() * torch.randn(module.weight.shape, generator=generator))
-    return consumer
-
-
-@pytest.fixture(scope="module")
-def stream():
-    return torch.randint(3, 128, (6000,), generator=torch.Generator().manual_seed(3))
 
 
 @pytest.fixture
