@@ -11,15 +11,18 @@ from transformers import LlamaForCausalLM
 
 from hf_kvcodecs.bench.retrieval import (
     FACT_QUESTION,
+    NEEDLE,
+    NEEDLE_QUESTION,
     PACKAGE_DATABASE,
     exact_match,
     fact_lookup_prompts,
     format_record,
+    multikey_needle_prompts,
     package_records,
     passkey_prompts,
     token_f1,
 )
-from hf_kvcodecs.bench.scd import SCDBenchSettings, retrieval
+from hf_kvcodecs.bench.scd import SCDBenchSettings, retrieval, retrieval_overall
 from hf_kvcodecs.scd import full_rank_knowledge_base
 
 from .conftest import tiny_llama_config
@@ -110,3 +113,43 @@ def test_trivial_pair_scd_answers_as_the_oracle_does(tmp_path):
     assert results["oracle"]["expected"] == [key for _, key in prompts]
     for row in results.values():
         assert row["trials"] == 2 and 0.0 <= row["exact_match"] <= 1.0 and 0.0 <= row["f1"] <= 1.0
+
+
+LICENCE_PROSE = (
+    "Permission is hereby granted, free of charge, to any person obtaining a copy of this software and associated "
+    "documentation files, to deal in the Software without restriction, including without limitation the rights to "
+    "use, copy, modify, merge, publish, distribute, sublicense, and sell copies of the Software, subject to the "
+    "following conditions: the above copyright notice and this permission notice shall be included in all copies. "
+)
+
+
+def test_multikey_needles_hide_one_asked_number_among_distractors():
+    tokenizer = CharacterTokenizer()
+    text_ids = tokenizer(LICENCE_PROSE * 12).input_ids[0]
+    prompts = multikey_needle_prompts(tokenizer, text_ids, trials=5, context_tokens=900, seed=3, needles=3)
+    asked_positions = set()
+    for ids, number in prompts:
+        text = tokenizer.decode(ids)
+        assert ids.numel() <= 900 and len(number) == 7 and number.isdigit()
+        key = text.rsplit("special magic number for ", 1)[1].split(" ", 1)[0]
+        assert text.endswith(NEEDLE_QUESTION.format(key=key))
+        needles = text.count("One of the special magic numbers for ")
+        assert needles == 3 and text.count(NEEDLE.format(key=key, value=number)) == 1  # one right answer
+        assert key in LICENCE_PROSE.lower()  # keys are words of the passage itself
+        order = [part.split(" ", 1)[0] for part in text.split("One of the special magic numbers for ")[1:]]
+        asked_positions.add(order.index(key))
+    assert asked_positions == {0, 1, 2}  # the asked needle moves through the prompt
+    with pytest.raises(ValueError, match="fewer needles"):
+        multikey_needle_prompts(tokenizer, text_ids, trials=1, context_tokens=120, seed=0, needles=3)
+
+
+def test_retrieval_overall_pools_questions_and_pairs_with_the_oracle():
+    passkey = {"oracle": {"per_question_exact_match": [1.0, 0.0], "per_question_f1": [1.0, 0.5]},
+               "scd": {"per_question_exact_match": [1.0, 0.0], "per_question_f1": [1.0, 0.0]}}
+    needles = {"oracle": {"per_question_exact_match": [1.0], "per_question_f1": [1.0]},
+               "scd": {"per_question_exact_match": [0.0], "per_question_f1": [0.0]}}
+    overall = retrieval_overall(passkey, needles, {})
+    assert overall["oracle"]["questions"] == 3 and overall["oracle"]["f1"] == pytest.approx(2.5 / 3)
+    assert overall["scd"]["exact_match"] == pytest.approx(1 / 3) and overall["scd"]["f1_se"] > 0
+    assert overall["scd"]["f1_vs_oracle"]["mean"] == pytest.approx(-1.5 / 3)
+    assert overall["oracle"]["f1_vs_oracle"]["mean"] == 0.0

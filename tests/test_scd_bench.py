@@ -86,7 +86,7 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     projected.save(tmp_path / "kb-project")
     codebooks = GSRQCodebooks.load(_tiny_codebooks(producer, stream, tmp_path / "codebooks"))
     settings = SCDBenchSettings(windows=3, context_tokens=96, continuation_tokens=16, cost_contexts=(64, 128),
-                                cost_repeats=1, passkey_trials=0, fact_trials=0, instruction_trials=2,
+                                cost_repeats=1, passkey_trials=0, needle_trials=0, fact_trials=0, instruction_trials=2,
                                 instruction_tokens=6, droidspeak_layers=(2,), gsrq_bits=(TINY_BITS,))
     results = run_scd_bench(SimpleNamespace(model=producer, description="tiny"),
                             SimpleNamespace(model=consumer, description="tiny+lora", tokenizer=StubChatTokenizer()),

@@ -1,4 +1,10 @@
-"""Retrieval prompts built from real text: pass-key needles in real passages, and fact look-up over a real record set.
+"""Retrieval prompts built from real text: pass-key needles in real passages, RULER-style multi-key needles, and fact
+look-up over a real record set.
+
+Multi-key needles follow RULER's ``niah_multikey`` task: several sentences "One of the special magic numbers for
+KEY is: NNNNNNN." are spread through a real passage, each with its own key (a distinct word of the passage itself) and
+a random seven-digit number, and the question asks for one key's number, so the answer must be read from the right
+needle among look-alike distractors.
 
 Fact look-up uses Debian's package database (``/var/lib/dpkg/status``), the records of the software installed on the
 machine: each record is cut to its one-line fields (name, version, architecture, maintainer, installed size), a
@@ -48,6 +54,53 @@ def passkey_prompts(tokenizer, text_ids: torch.Tensor, trials: int, context_toke
         passage = text_ids[start:start + filler]
         depth = int(filler * (trial + 0.5) / trials)
         prompts.append((torch.cat((passage[:depth], needle, passage[depth:], question)), key))
+    return prompts
+
+
+NEEDLE = " One of the special magic numbers for {key} is: {value}. "
+NEEDLE_QUESTION = ("\nWhat is the special magic number for {key} mentioned in the provided text? The special magic "
+                   "number for {key} mentioned in the provided text is")
+
+
+def _needle_keys(tokenizer, passage: torch.Tensor, count: int, generator: torch.Generator) -> list[str]:
+    """``count`` distinct lower-case words of six or more letters from the passage, in a seeded random order."""
+    words = sorted({word.lower() for word in re.findall(r"[A-Za-z]{6,}", tokenizer.decode(passage))})
+    if len(words) < count:
+        raise ValueError(f"The passage holds {len(words)} distinct words of six or more letters; {count} needle keys "
+                         "need more (use a longer context or fewer needles).")
+    order = torch.randperm(len(words), generator=generator)[:count]
+    return [words[int(i)] for i in order]
+
+
+def multikey_needle_prompts(tokenizer, text_ids: torch.Tensor, trials: int, context_tokens: int, seed: int,
+                            needles: int = 4):
+    """RULER ``niah_multikey``-style prompts: ``needles`` key/number sentences at evenly spread depths of a real
+    passage (shifted each trial), the question asks for the number of one of them (a different position each trial).
+    Returns (prompt ids, seven-digit number) pairs."""
+    if needles < 1:
+        raise ValueError(f"needles must be at least 1, got {needles}.")
+    generator = torch.Generator().manual_seed(seed + 1)
+    prompts = []
+    for trial in range(trials):
+        start = trial * max(text_ids.numel() - context_tokens, 0) // max(trials, 1)
+        passage = text_ids[start:start + context_tokens]
+        keys = _needle_keys(tokenizer, passage, needles, generator)
+        values = [str(int(torch.randint(1_000_000, 9_999_999, (1,), generator=generator))) for _ in keys]
+        asked = trial % needles
+        inserts = [_ids(tokenizer, NEEDLE.format(key=key, value=value)) for key, value in zip(keys, values)]
+        question = _ids(tokenizer, NEEDLE_QUESTION.format(key=keys[asked]))
+        filler = context_tokens - sum(insert.numel() for insert in inserts) - question.numel()
+        if filler < 16 * needles:
+            raise ValueError(f"A context of {context_tokens} tokens leaves almost no passage around {needles} "
+                             "needles; use a longer context or fewer needles.")
+        passage = passage[:filler]
+        pieces, previous = [], 0
+        for index, insert in enumerate(inserts):
+            depth = int(filler * (index + 0.5 + 0.3 * ((trial % 3) - 1)) / needles)
+            pieces += [passage[previous:depth], insert]
+            previous = depth
+        pieces += [passage[previous:], question]
+        prompts.append((torch.cat(pieces), values[asked]))
     return prompts
 
 

@@ -7,16 +7,18 @@ prefill, except the oracle, which is the consumer's own prefill:
 - ``raw-16``: the producer's KV in 16 bits, no fix (shows the semantic mismatch of a fine-tuned consumer);
 - ``kivi-8`` / ``kivi-4``: the producer's KV quantized KIVI-style (keys per channel over groups of tokens, values per
   token), asymmetric, one float16 scale and zero per group;
-- ``kvtc-like``: a PCA + 4-bit (or 8-bit) code of the producer's own KV (a same-model codec: the SCD code path with
-  a knowledge base fitted for producer -> producer), its components truncated uniformly to SCD's bytes;
+- ``kvtc-like``: a PCA code of the producer's own KV with per-component bit allocation (a same-model codec in the
+  manner of KVTC: the SCD code path with a whitened knowledge base fitted for producer -> producer), truncated to
+  SCD's bytes;
 - ``gsrq-B``: the producer's KV coded by GSRQ at B bits per element (its codebooks fitted for the producer), decoded;
 - ``droidspeak-L``: the producer's KV for layers below L plus its hidden state entering layer L; the consumer
   recomputes layers L.. itself from that hidden state;
 - ``scd``: the knowledge base's Reuse codes and Patch codes.
 
 Quality: teacher-forced continuation perplexity, KL from the oracle and top-1 agreement on held-out windows of real
-text, paired per window; pass-key retrieval and fact look-up over real records (exact match and token F1 of greedy
-answers; see :mod:`.retrieval`). Cost: bytes per token on the wire; producer prefill + code, consumer rebuild and
+text, paired per window; pass-key retrieval, RULER-style multi-key needles and fact look-up over real records (exact
+match and token F1 of greedy answers, also pooled over all questions; see :mod:`.retrieval`); chat-templated
+instructions scored against the oracle's answers. Cost: bytes per token on the wire; producer prefill + code, consumer rebuild and
 oracle prefill times measured at several context lengths in the same run; TTFT modelled from them plus bytes / bandwidth (see :func:`ttft_table`).
 """
 
@@ -41,6 +43,7 @@ from .retrieval import (
     exact_match,
     fact_lookup_prompts,
     first_line,
+    multikey_needle_prompts,
     package_records,
     passkey_prompts,
     token_f1,
@@ -63,6 +66,8 @@ class SCDBenchSettings:
     cost_repeats: int = 3
     bandwidths_gbps: tuple[float, ...] = (1, 2, 5, 10, 25, 50, 100, 200, 400)
     passkey_trials: int = 6
+    needle_trials: int = 8  # RULER-style multi-key needles in the evaluation text (see bench.retrieval)
+    needles: int = 4  # key/number sentences per needle prompt, one of them asked
     fact_trials: int = 8  # fact look-up questions over Debian's package database (see bench.retrieval)
     fact_records: str = str(PACKAGE_DATABASE)
     instruction_trials: int = 8  # chat-templated instructions over licence paragraphs (see bench.instructions)
@@ -308,6 +313,7 @@ def retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings: SCD
             scores.setdefault(name, []).append((exact_match(answer, expected), token_f1(answer, expected), answer))
     return {name: {"exact_match": statistics.mean(s[0] for s in values), "f1": statistics.mean(s[1] for s in values),
                    "trials": len(values), "answers": [s[2] for s in values],
+                   "per_question_exact_match": [s[0] for s in values], "per_question_f1": [s[1] for s in values],
                    "expected": [expected for _, expected in prompts]} for name, values in scores.items()}
 
 
@@ -316,6 +322,38 @@ def passkey(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDB
     prompts = passkey_prompts(tokenizer, text_ids, settings.passkey_trials, settings.context_tokens, settings.seed)
     return retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings, 6, "SCD pass-key", progress,
                      gsrq_codebooks, extra_kbs)
+
+
+def retrieval_overall(*tasks: dict) -> dict:
+    """Every retrieval question of every task pooled, per method: exact match and F1 with their standard errors, and
+    the F1 difference from the oracle paired by question (other minus oracle)."""
+    pooled: dict[str, dict[str, list[float]]] = {}
+    for task in tasks:
+        for name, row in task.items():
+            entry = pooled.setdefault(name, {"em": [], "f1": []})
+            entry["em"] += row.get("per_question_exact_match", [])
+            entry["f1"] += row.get("per_question_f1", [])
+    reference = pooled.get("oracle")
+    overall = {}
+    for name, entry in pooled.items():
+        if not entry["f1"]:
+            continue
+        count = len(entry["f1"])
+        overall[name] = {
+            "questions": count, "exact_match": statistics.mean(entry["em"]), "f1": statistics.mean(entry["f1"]),
+            "exact_match_se": statistics.stdev(entry["em"]) / count ** 0.5 if count > 1 else None,
+            "f1_se": statistics.stdev(entry["f1"]) / count ** 0.5 if count > 1 else None,
+            "f1_vs_oracle": paired_difference(entry["f1"], reference["f1"]) if reference and
+            len(reference["f1"]) == count else None}
+    return overall
+
+
+def multikey_needles(producer, consumer, tokenizer, kb, kvtc_kb, text_ids, settings: SCDBenchSettings, progress=True,
+                     gsrq_codebooks=None, extra_kbs: dict | None = None) -> dict:
+    prompts = multikey_needle_prompts(tokenizer, text_ids, settings.needle_trials, settings.context_tokens,
+                                      settings.seed, settings.needles)
+    return retrieval(producer, consumer, tokenizer, kb, kvtc_kb, prompts, settings, 10, "SCD multi-key needles",
+                     progress, gsrq_codebooks, extra_kbs)
 
 
 def fact_lookup(producer, consumer, tokenizer, kb, kvtc_kb, settings: SCDBenchSettings, progress=True,
@@ -491,6 +529,8 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
     quality_results = quality(producer, consumer, kb, kvtc_kb, windows, settings, progress, gsrq_codebooks, extra_kbs)
     passkey_results = passkey(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, evaluation_ids, settings,
                               progress, gsrq_codebooks, extra_kbs) if settings.passkey_trials else {}
+    needle_results = multikey_needles(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, evaluation_ids,
+                                      settings, progress, gsrq_codebooks, extra_kbs) if settings.needle_trials else {}
     fact_results = fact_lookup(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, settings, progress,
                                gsrq_codebooks, extra_kbs) if settings.fact_trials else {}
     instruction_results = instructions(producer, consumer, consumer_loaded.tokenizer, kb, kvtc_kb, settings, progress,
@@ -510,7 +550,8 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
         "other_knowledge_bases": {name: _plan_summary(other) for name, other in (extra_kbs or {}).items()},
         "evaluation_text": evaluation_description, "settings": settings_dict(settings),
         "raw_16bit_bytes_per_token": 2 * num_layers * shapes(consumer).kv_width * 2,
-        "quality": quality_results, "passkey": passkey_results, "fact_lookup": fact_results,
+        "quality": quality_results, "passkey": passkey_results, "needles": needle_results,
+        "fact_lookup": fact_results, "retrieval_overall": retrieval_overall(passkey_results, needle_results, fact_results),
         "instructions": instruction_results, "pairwise_vs_scd": pairwise(quality_results),
         "cost": {str(k): v for k, v in cost_rows.items()},
         "ttft": sweeps, "speedup": {key: speedups(table) for key, table in sweeps.items()},
@@ -536,11 +577,15 @@ def scd_markdown(results: dict) -> str:
              "with the oracle (the consumer's own prefill); pass-key: "
              f"{results['settings']['passkey_trials']} prompts of {results['settings']['context_tokens']} tokens; "
              f"fact look-up: {results['settings'].get('fact_trials', 0)} questions, each the version of one package "
-             f"in a context of real records of {results['settings'].get('fact_records')} (see bench.retrieval).", "",
+             f"in a context of real records of {results['settings'].get('fact_records')}; multi-key needles: "
+             f"{results['settings'].get('needle_trials', 0)} RULER-style prompts with "
+             f"{results['settings'].get('needles', 0)} key/number needles each (see bench.retrieval). All: every "
+             "retrieval question pooled, exact match and F1 with their standard errors.", "",
              f"instructions: {results['settings'].get('instruction_trials', 0)} chat-templated prompts over licence "
              "paragraphs, token F1 of each greedy answer against the oracle's.", "",
-             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | F1 | fact EM | F1 | "
-             "instr. F1 vs oracle |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| method | bytes/token | vs 16-bit | ppl | Δppl % ± se | KL | top-1 | pass-key EM | needles EM | fact EM | "
+             "all EM ± se | all F1 ± se | instr. F1 vs oracle |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, row in results["quality"].items():
         size = row["bytes_per_token"]
         ratio = f"{raw / size:.1f}x" if size else "-"
@@ -548,10 +593,14 @@ def scd_markdown(results: dict) -> str:
         key = results["passkey"].get(name, {})
         fact = results.get("fact_lookup", {}).get(name, {})
         instruction = results.get("instructions", {}).get(name, {})
+        needle = results.get("needles", {}).get(name, {})
+        pooled = results.get("retrieval_overall", {}).get(name, {})
         lines.append(f"| {name} | {size:.0f} | {ratio} | {row['perplexity']:.3f} | {row['delta_ppl_pct']:+.2f} ± "
                      f"{(se or 0):.2f} | {row.get('kl_mean', 0):.4f} | {row.get('top1_agreement', 1):.3f} | "
-                     f"{key.get('exact_match', float('nan')):.2f} | {key.get('f1', float('nan')):.2f} | "
-                     f"{fact.get('exact_match', float('nan')):.2f} | {fact.get('f1', float('nan')):.2f} | "
+                     f"{key.get('exact_match', float('nan')):.2f} | {needle.get('exact_match', float('nan')):.2f} | "
+                     f"{fact.get('exact_match', float('nan')):.2f} | "
+                     f"{pooled.get('exact_match', float('nan')):.2f} ± {pooled.get('exact_match_se', float('nan')):.2f} | "
+                     f"{pooled.get('f1', float('nan')):.2f} ± {pooled.get('f1_se', float('nan')):.2f} | "
                      f"{instruction.get('f1', float('nan')):.2f} |")
     lines += ["", "Against `scd`, paired by window (other minus scd; negative: the other is better):", "",
               "| method | bytes vs scd | ΔNLL (nats/token) ± se | ΔKL ± se |", "|---|---:|---:|---:|"]

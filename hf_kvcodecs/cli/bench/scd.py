@@ -26,12 +26,16 @@ def add_parser(bench) -> None:
     scd.add_argument("--kvtc-windows", type=positive_int, default=8,
                      help=f"windows of {CALIBRATION_TEXT} the same-model PCA codec (kvtc-like) is fitted on")
     scd.add_argument("--kvtc-code-bits", type=int, choices=(4, 8), default=4,
-                     help="code precision of the kvtc-like codec (SCD's knowledge bases choose 4 or 8 bits by bytes)")
+                     help="bytes of the kvtc-like codec, as flat codes of this precision; its codes are whitened with "
+                          "per-component bit allocation at those bytes, as KVTC's dynamic program allocates them")
     scd.add_argument("--windows", type=positive_int, default=8, help="held-out windows for the quality metrics")
     scd.add_argument("--context", type=positive_int, default=1024, help="context tokens of each quality window")
     scd.add_argument("--cost-contexts", type=positive_int, nargs="+", default=[1024, 4096, 8192],
                      help="context lengths the times are measured at")
     scd.add_argument("--passkey-trials", type=int, default=6, help="pass-key prompts")
+    scd.add_argument("--needle-trials", type=int, default=8,
+                     help="RULER-style multi-key needle prompts in the evaluation text (0 to leave them out)")
+    scd.add_argument("--needles", type=positive_int, default=4, help="key/number needles per multi-key prompt")
     scd.add_argument("--fact-trials", type=int, default=8,
                      help="fact look-up questions over Debian's package database (0 to leave them out)")
     scd.add_argument("--instruction-trials", type=int, default=8,
@@ -63,12 +67,12 @@ def command(args) -> int:
     calibration = tokenize_corpus(producer.tokenizer, load_corpus(None, default=CALIBRATION_TEXT))
     kvtc_kb = full_rank_knowledge_base(producer.model, producer.model, calibration, window_tokens=512,
                                        windows=args.kvtc_windows, code_bits=args.kvtc_code_bits,
-                                       tokenizer=producer.tokenizer)
+                                       code_format="whitened", tokenizer=producer.tokenizer)
     # rebuilt by every run from the calibration text; saved only to get the id its payloads name
     kvtc_kb.save(Path(tempfile.mkdtemp(prefix="hf_kvcodecs_kvtc_like_")))
     settings = SCDBenchSettings(windows=args.windows, context_tokens=args.context,
                                 cost_contexts=tuple(args.cost_contexts), passkey_trials=args.passkey_trials,
-                                fact_trials=args.fact_trials, instruction_trials=args.instruction_trials,
+                                needle_trials=args.needle_trials, needles=args.needles, fact_trials=args.fact_trials, instruction_trials=args.instruction_trials,
                                 droidspeak_layers=tuple(args.droidspeak_layers), gsrq_bits=tuple(args.gsrq_bits))
     codebooks = None
     if args.gsrq_bits:
