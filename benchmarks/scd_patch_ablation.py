@@ -36,7 +36,7 @@ from hf_kvcodecs.evaluation import WindowScores, fixed_windows, paired_compariso
 from hf_kvcodecs.models import load_model
 from hf_kvcodecs.scd import SCDKnowledgeBase
 from hf_kvcodecs.scd.cache import rebuild_into
-from hf_kvcodecs.scd.coding import encode_layer
+from hf_kvcodecs.scd.coding import encode_layer, whiten_plan
 from hf_kvcodecs.scd.encode import exact_columns
 from hf_kvcodecs.scd.fit import SCDFitSettings, _fit_maps, accumulate_pair_moments, plan_for
 from hf_kvcodecs.scd.model_access import model_identity, prefill_with_taps, tokenizer_sha256, unwrapped
@@ -70,13 +70,15 @@ def fitted_maps(producer, consumer, ids: torch.Tensor, windows: int, modes: set[
     return maps, curves
 
 
-def knowledge_base(plan, maps, bits: int, identities) -> SCDKnowledgeBase:
+def knowledge_base(plan, maps, bits: int, identities, code_format: str = "flat") -> SCDKnowledgeBase:
+    """The plan's knowledge base; ``whitened`` re-codes it at the bytes of its flat ``bits``-bit codes."""
     layers = {layer.index for layer in plan}
     kb = SCDKnowledgeBase(plan, {i: maps["keys"][i] for i in layers}, {i: maps["values"][i] for i in layers},
                           {i: maps["inputs"][i] for i in layers} if "inputs" in maps else {}, bits, EXACT_TOKENS,
                           *identities, residuals={i: maps["residuals"][i] for i in layers} if "residuals" in maps
                           else {})
-    kb.save_id = "in-memory ablation"  # never saved: built and decoded in this process
+    if code_format == "whitened" and bits < 16:
+        kb.plan = whiten_plan(kb.plan, kb, bits, False)
     return kb
 
 
@@ -120,6 +122,11 @@ def main() -> None:
     parser.add_argument("--taus", type=float, nargs="+", default=[0.0, 0.03])
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--droidspeak", type=int, nargs="*", default=[5, 10])
+    parser.add_argument("--code-format", choices=["flat", "whitened"], default="flat",
+                        help="codes at flat bits, or whitened at the same bytes (the fit's default)")
+    parser.add_argument("--save-knowledge-bases", type=Path, default=None,
+                        help="also save every plan's knowledge base under this folder (one sub-folder per plan), for "
+                             "`hf-kvcodecs bench scd --knowledge-base / --more-knowledge-bases`")
     parser.add_argument("--fit-windows", type=int, default=12, help="calibration windows of 512 tokens")
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows of 1024 + 64 tokens")
     parser.add_argument("--out", type=Path, required=True)
@@ -141,8 +148,14 @@ def main() -> None:
         key = "project" if mode == "project" else "recompute"
         for tau in args.taus:
             for bits in args.bits:
-                kb = knowledge_base(plan_for(tau, patches, curves[key]), maps[key], bits, identities)
-                points[f"{spec} tau={tau:g} {bits}-bit"] = kb
+                kb = knowledge_base(plan_for(tau, patches, curves[key]), maps[key], bits, identities,
+                                    args.code_format)
+                name = f"{spec} tau={tau:g} {bits}-bit"
+                if args.save_knowledge_bases is not None:
+                    kb.save(args.save_knowledge_bases / name.replace(" ", "_").replace(":", "-").replace("=", ""))
+                else:
+                    kb.save_id = "in-memory ablation"  # never saved: built and decoded in this process
+                points[name] = kb
     windows = fixed_windows(tokenize_corpus(producer.tokenizer, evaluation), args.windows, 1024 + 64)
     nlls: dict[str, list] = {}
     logprobs: dict[str, list] = {}
@@ -194,7 +207,8 @@ def markdown(results: dict) -> str:
     lines = [f"# SCD Patch at equal bytes: {results['producer']} -> {results['consumer']}", "",
              f"Statistics: {results['calibration_text']}. Evaluation: {results['evaluation_text']}, "
              f"{results['settings']['windows']} windows of 1024 + 64 tokens, teacher-forced, paired per window with "
-             "the oracle. Bytes: codes, scales and RMS per coded token (header and 4 exact tokens aside).", "",
+             "the oracle. Bytes: codes, scales and RMS per coded token (header and 4 exact tokens aside); codes "
+             f"{results['settings'].get('code_format', 'flat')}.", "",
              "| method | bytes/token | vs 16-bit | recomputed layers | Δppl % ± se | KL | top-1 |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name, row in sorted(results["rows"].items(), key=lambda item: -item[1]["bytes_per_token"]):
