@@ -99,6 +99,8 @@ def load_corpus(source: str | Sequence[str] | None, *, default: str) -> Corpus:
     """
     if source is None:
         source = default
+    if not isinstance(source, (str, Path)) and len(source) == 1:  # a CLI's nargs="+" gives ["python-docs"]
+        source = str(source[0])
     if isinstance(source, str) and source in BUILTIN_CORPORA:
         return BUILTIN_CORPORA[source]()
     if isinstance(source, str) and source.startswith("datasets:"):

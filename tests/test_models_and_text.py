@@ -35,3 +35,9 @@ def test_user_files_and_bad_sources(tmp_path):
     (tmp_path / "empty.txt").write_text("  ")
     with pytest.raises(ValueError, match="empty"):
         load_corpus([str(tmp_path / "empty.txt")], default=EVALUATION_DEFAULT)
+
+
+def test_a_one_item_list_naming_a_builtin_corpus_reads_that_corpus():
+    """A CLI's ``--text python-docs`` arrives as ``["python-docs"]``."""
+    assert load_corpus([EVALUATION_DEFAULT], default=CALIBRATION_DEFAULT).description == \
+        load_corpus(EVALUATION_DEFAULT, default=CALIBRATION_DEFAULT).description
