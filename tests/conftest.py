@@ -91,17 +91,24 @@ def _tiny_codebooks(model, token_stream, directory, **settings):
 
 
 def resave_codebook_tensors(directory, tensors):
-    """Rewrite a codebook directory's tensor file (to damage it on purpose) keeping its header metadata, so that the
-    check under test, not the save_id pairing of the two files, is what refuses it."""
+    """Rewrite a codebook directory's tensor file (to damage it on purpose) keeping its header metadata and recording
+    its new checksum in the JSON, so that the check under test, not the save_id pairing of the two files or the
+    checksum, is what refuses it."""
+    import json
+
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from hf_kvcodecs.gsrq.codebooks import TENSORS_FILE
+    from hf_kvcodecs.fileio import TENSORS_CHECKSUM_KEY, file_sha256
+    from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE
 
     path = str(directory / TENSORS_FILE)
     with safe_open(path, "pt") as handle:
         metadata = handle.metadata()
     save_file(tensors, path, metadata=metadata)
+    description = json.loads((directory / METADATA_FILE).read_text())
+    description[TENSORS_CHECKSUM_KEY] = file_sha256(directory / TENSORS_FILE)
+    (directory / METADATA_FILE).write_text(json.dumps(description))
 
 
 @pytest.fixture

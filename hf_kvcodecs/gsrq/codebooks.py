@@ -13,7 +13,7 @@ from ..codecs.base import KVCodec
 from ..codecs.layouts import codec_class, heads_per_code, layouts_for
 from ..codecs.residual import lowest_bit_rate, stages_for_rate
 from ..codecs.scales import FP16_SCALE_BITS
-from ..fileio import read_json, save_tensors_and_json
+from ..fileio import check_tensors_checksum, read_json, save_tensors_and_json
 from ..models import model_fingerprint
 
 FORMAT_NAME = "hf_kvcodecs.gsrq_codebooks"
@@ -30,6 +30,11 @@ LAYOUTS = {kind: layouts_for(kind) for kind in ("keys", "values")}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
+# Calibrated codec tensors are O(1)..O(1e4) (codewords of scale-normalized vectors, means and bases of activations);
+# a value beyond this squares past float32's range, so every distance computed with it would be infinite.
+MAX_CODEC_MAGNITUDE = 1e18
+DAMAGED_FILE_FIX = ("recalibrate (`hf-kvcodecs calibrate --model <model> --out DIR --overwrite`, or calibrate_gsrq(..., "
+                    "overwrite=True)), or download the codebooks again")
 
 
 class CodebookFileError(ValueError):
@@ -205,7 +210,8 @@ class GSRQCodebooks:
                 f"{tensors_path} could not be read ({error}); it is corrupt or truncated: re-run calibrate or re-download it."
             ) from error
         _check_same_save(metadata.get("save_id"), header.get("save_id"), tensors_path, metadata_path)
-        _check_tensor_dtypes(tensors, tensors_path)
+        check_tensors_checksum(metadata, tensors_path, metadata_path, fix=DAMAGED_FILE_FIX, error=CodebookFileError)
+        _check_tensor_values(tensors, tensors_path)
         config, num_layers, group_dim, heads, stats = _described_shape(metadata, metadata_path)
         for kind in ("keys", "values"):
             if layout_of(config, kind) not in LAYOUTS[kind]:
@@ -283,9 +289,11 @@ def _check_same_save(described, stored, tensors_path: Path, metadata_path: Path)
                                 "files copied from two directories: re-run calibrate.")
 
 
-def _check_tensor_dtypes(tensors: dict[str, torch.Tensor], tensors_path: Path) -> None:
+def _check_tensor_values(tensors: dict[str, torch.Tensor], tensors_path: Path) -> None:
     """Stage-group indices are integers, everything else real floating point: another dtype would be cast silently
-    (fractional indices truncated, complex parts dropped)."""
+    (fractional indices truncated, complex parts dropped). No codec value is so large that its square overflows
+    float32 (a damaged exponent: files written before checksums were recorded are not verified otherwise); NaNs are
+    refused by the codecs' own consistency checks, rope.inv_freq by its check below."""
     for name, tensor in tensors.items():
         integral = name.endswith(".stage_groups")
         valid = (not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype != torch.bool) if integral \
@@ -294,6 +302,11 @@ def _check_tensor_dtypes(tensors: dict[str, torch.Tensor], tensors_path: Path) -
             raise CodebookFileError(f"{tensors_path}: tensor {name} is {tensor.dtype}, expected "
                                     f"{'an integer' if integral else 'a floating-point'} dtype; the file is corrupt or "
                                     "was not written by hf_kvcodecs: re-run calibrate.")
+        if not integral and name.startswith("layers.") and tensor.numel() and \
+                bool(tensor.abs().max() > MAX_CODEC_MAGNITUDE):
+            raise CodebookFileError(f"{tensors_path}: tensor {name} holds an infinite value or one beyond "
+                                    f"{MAX_CODEC_MAGNITUDE:.0e} in magnitude, which no calibration produces: the file "
+                                    f"is damaged; {DAMAGED_FILE_FIX}.")
 
 
 def _described_shape(metadata: dict, metadata_path: Path):
