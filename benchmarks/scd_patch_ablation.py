@@ -196,7 +196,7 @@ def main() -> None:
                "settings": vars(args) | {"out": str(args.out)}, "raw_16bit_bytes_per_token": raw_bytes,
                "rows": rows, "paired_at_equal_settings": versus, "seconds": time.perf_counter() - started}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scd_patch_ablation.json").write_text(json.dumps(results, indent=1))
+    (args.out / "scd_patch_ablation.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "scd_patch_ablation.md").write_text(markdown(results))
     plot(results, args.out / "scd_patch_ablation.png")
     print(markdown(results))
