@@ -84,3 +84,32 @@ def test_non_finite_or_overflowing_codebook_values_are_refused(tiny_codebooks_di
     resave_codebook_tensors(target, tensors)  # (records the checksum of the damaged file: only the value checks are left)
     with pytest.raises(CodebookFileError, match="non-finite values" if value != value else f"tensor {name} holds an infinite value or one beyond"):
         GSRQCodebooks.load(target)
+
+
+# ---- a rate between two stages is refused, not served at the lower one ---------------------------------------------
+
+
+def test_a_rate_the_codebooks_do_not_serve_is_refused_with_the_nearest_ones(tiny_model, tiny_codebooks_dir):
+    from hf_kvcodecs import GSRQCache
+
+    # head_dim 16, 8-bit codewords and scales: keys per head serve 1.0, 1.5, ..., 3.0 (calibrated at 3 bits)
+    with pytest.raises(ValueError, match=r"bits=1.2 is not a rate these keys codebooks serve \(1 to 3 bits/element in "
+                                         r"steps of 0.5\): keys would be coded at 1 bits/element, not 1.2. Pass 1 or 1.5"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=1.2)
+    with pytest.raises(ValueError, match=r"below the lowest rate these values codebooks offer.*serve 0.75 to 3"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=1.5, value_bits=0.6)
+    with pytest.raises(ValueError, match="below the lowest rate these keys codebooks offer.*serve 1 to 3"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=0.3)
+    with pytest.raises(ValueError, match="Pass 3 "):  # at the top: only the rate below
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=3.2)
+    for bits, key_stages, value_stages in ((1.0, 1, 2), (1.5, 2, 4), (3.0, 5, 10)):
+        cache = GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=bits)
+        assert cache.codebooks.stages_for_bits(bits, "keys") == key_stages
+        assert cache.codebooks.stages_for_bits(bits, "values") == value_stages
+    # values have finer steps (one code for both heads: 8 bits over 32 elements): 1.25 is theirs, not the keys'
+    GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, key_bits=1.0, value_bits=1.25)
+    with pytest.raises(ValueError, match="not a rate these keys codebooks serve"):
+        GSRQCache(tiny_model.config, codebooks=tiny_codebooks_dir, bits=1.25)
+    # a rate printed to four decimals names the rate it rounds
+    assert GSRQCodebooks.load(tiny_codebooks_dir).stages_for_bits(1.0001, "keys") == 1
+

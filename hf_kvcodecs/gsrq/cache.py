@@ -503,7 +503,9 @@ class GSRQCache(Cache):
         codebooks_revision, codebooks_subfolder: for a Hub repo id, the branch, tag or commit to read and the folder
             inside the repo (``"kv_codebooks"`` reads the codebooks of a model saved by hf_kvcodecs).
         bits: bits per KV element including the per-vector scale (index bits + 8/head_dim, or 16/head_dim with
-            fp16-scale codebooks); default 2.0.
+            fp16-scale codebooks); default 2.0. It must be a rate the codebooks serve exactly: the lowest (one
+            residual stage, e.g. 0.25 for keys of head size 64) plus whole stages (0.125 each there), up to the rate
+            they were calibrated for; another rate (0.3) is refused with the nearest ones, not served at a lower one.
         key_bits, value_bits: per-tensor overrides of ``bits``.
         window_length: recent tokens kept exact (plus up to ``flush_interval`` more between flushes).
         flush_interval: how many tokens accumulate beyond the window before they are encoded together.

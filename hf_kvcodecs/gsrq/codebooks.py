@@ -30,6 +30,9 @@ LAYOUTS = {kind: layouts_for(kind) for kind in ("keys", "values")}
 TENSORS_FILE = "gsrq_codebooks.safetensors"
 METADATA_FILE = "gsrq_codebooks.json"
 KEY_SPACES = ("pre_rope", "post_rope")
+# How far a requested rate (bits per element) may lie above a served one and still name it: rates printed to four
+# decimals (1/6 as 0.1667) pass, a rate between two stages (0.3 between 0.25 and 0.375) does not.
+RATE_TOLERANCE = 5e-4
 # Calibrated codec tensors are O(1)..O(1e4) (codewords of scale-normalized vectors, means and bases of activations);
 # a value beyond this squares past float32's range, so every distance computed with it would be infinite.
 MAX_CODEC_MAGNITUDE = 1e18
@@ -89,21 +92,35 @@ class GSRQCodebooks:
         return layout_of(self.config, kind)
 
     def stages_for_bits(self, bits: float, kind: str = "keys") -> int:
-        """Number of ``kind`` stages whose indices plus the per-vector scales fit in ``bits`` per element."""
+        """Number of ``kind`` stages whose indices plus the per-vector scales make exactly ``bits`` per element.
+
+        The rates served are the lowest (one stage and the scales) plus whole stages, up to the stages calibrated; a
+        rate between two of them is refused, naming the nearest, rather than served at the lower one. (A tolerance of
+        ``RATE_TOLERANCE`` lets a rate printed to four decimals, e.g. 0.1667, name 1/6.)"""
         codebook_bits = int(self.config["codebook_bits"])
         codecs = self.key_codecs if kind == "keys" else self.value_codecs
         # a code covers one head vector, or all of a token's heads (each with its own scale)
         heads = heads_per_code(self.layout(kind), codecs[0].num_heads)
         lowest = lowest_bit_rate(self.head_dim, codebook_bits, self.scale_bits, heads)
-        if bits < lowest - 1e-9:
-            raise ValueError(f"bits={bits} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} bits/element).")
-        stages = stages_for_rate(bits, self.head_dim, codebook_bits, self.scale_bits, heads)
+        step = codebook_bits / (heads * self.head_dim)  # what one more stage adds
         available = min(c.num_stages for c in codecs)
+        highest = lowest + (available - 1) * step
+        served = f"{_rate(lowest)} to {_rate(highest)} bits/element in steps of {_rate(step)}"
+        if bits < lowest - RATE_TOLERANCE:
+            raise ValueError(f"bits={bits:g} is below the lowest rate these {kind} codebooks offer ({lowest:.3f} "
+                             f"bits/element: one residual stage and the scales); they serve {served}.")
+        stages = max(1, stages_for_rate(bits + RATE_TOLERANCE, self.head_dim, codebook_bits, self.scale_bits, heads))
         if stages > available:
             raise ValueError(
-                f"bits={bits} needs {stages} residual stages but these codebooks were calibrated with {available} "
-                f"(at most {self.max_bits_per_element():.3f} bits/element). Re-run `hf-kvcodecs calibrate --bits {bits}`."
+                f"bits={bits:g} needs {stages} residual stages but these codebooks were calibrated with {available} "
+                f"(at most {self.max_bits_per_element():.3f} bits/element). Re-run `hf-kvcodecs calibrate --bits {bits:g}`."
             )
+        below = lowest + (stages - 1) * step
+        if bits - below > RATE_TOLERANCE:
+            nearest = _rate(below) + (f" or {_rate(below + step)}" if stages < available else "")
+            raise ValueError(f"bits={bits:g} is not a rate these {kind} codebooks serve ({served}): {kind} would be "
+                             f"coded at {_rate(below)} bits/element, not {bits:g}. Pass {nearest} (keys and values can "
+                             "differ: key_bits / value_bits).")
         return stages
 
     def check_fits(self, config) -> None:
@@ -331,6 +348,11 @@ def _described_shape(metadata: dict, metadata_path: Path):
 def layout_of(config: dict, kind: str) -> str:
     """The layout of ``kind`` ("keys"/"values") in a codebook config (files before version 3: per head)."""
     return config.get(f"{kind[:-1]}_layout", "per_head")
+
+
+def _rate(bits: float) -> str:
+    """A rate as a user would pass it back: at most four decimals."""
+    return f"{round(bits, 4):g}"
 
 
 def _at(items, index):
