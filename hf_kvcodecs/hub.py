@@ -30,6 +30,27 @@ def looks_like_repo_id(source: str) -> bool:
     return True
 
 
+def is_owner_name(source: str) -> bool:
+    """Whether ``source`` has the form of a Hub repo id ``owner/name`` (what a pushed artifact is named by); a bare
+    ``name`` is not looked up on the Hub."""
+    return source.count("/") == 1 and looks_like_repo_id(source)
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """None when the Hub endpoint answers within ``timeout`` seconds; else why it cannot be reached (offline mode, or
+    the connection error), found in one request instead of the minute of retries a download spends on it."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as error:  # the HTTP client's own transport errors: DNS, refused connection, timeout, proxy
+        return f"{constants.ENDPOINT} did not answer: {error}"
+    return None
+
+
 def model_hub_id(name: str) -> str | None:
     """The Hub id of the model a command was given: the repo the default GGUF was converted from, or ``owner/name``
     that is not a local path; ``None`` for a local folder."""

@@ -113,3 +113,80 @@ def test_a_rate_the_codebooks_do_not_serve_is_refused_with_the_nearest_ones(tiny
     # a rate printed to four decimals names the rate it rounds
     assert GSRQCodebooks.load(tiny_codebooks_dir).stages_for_bits(1.0001, "keys") == 1
 
+
+# ---- a codebook name that is not a local folder fails at once, not after Hub retries -------------------------------
+
+
+@pytest.fixture
+def hub_calls(tmp_path, monkeypatch):
+    """An empty Hub cache; records every hf_hub_download call (each raises what an empty cache raises)."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub_cache"))
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs.get("local_files_only")))
+        raise LocalEntryNotFoundError("not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    return calls
+
+
+def test_a_missing_name_that_is_no_repo_id_is_refused_without_asking_the_hub(tiny_model, hub_calls, monkeypatch):
+    from huggingface_hub import constants
+
+    from hf_kvcodecs import GSRQCache
+    from hf_kvcodecs.gsrq.hub import download_codebooks
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for call in (lambda: GSRQCache(tiny_model.config, codebooks="smollm2_gsrq"),
+                 lambda: GSRQCodebooks.from_pretrained("smollm2_gsrq"),
+                 lambda: download_codebooks("smollm2_gsrq")):  # (what a checkpoint's kv_cache_config reaches)
+        with pytest.raises(CodebookFileError, match="smollm2_gsrq does not exist: no local folder .*smollm2_gsrq.* "
+                                                    "not a Hub repo id"):
+            call()
+    assert hub_calls == []
+
+
+def test_a_repo_id_is_only_looked_up_in_the_cache_when_the_hub_is_unreachable(hub_calls, monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+
+    import hf_kvcodecs.hub as hub
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    started = time.perf_counter()
+    with pytest.raises(CodebookFileError, match=r"someone/cb does not exist: no local folder .*someone/cb, and its "
+                                                r"codebooks on the Hub .* not in the Hub cache and the Hub could not be "
+                                                r"reached \(HF_HUB_OFFLINE is set\)"):
+        GSRQCodebooks.from_pretrained("someone/cb")
+    assert hub_calls == [("someone/cb", True)]
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    class NoNetwork:
+        def head(self, url, timeout):
+            assert timeout <= 10
+            raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: NoNetwork())
+    with pytest.raises(CodebookFileError, match=r"the Hub could not be reached \(https://huggingface.co did not "
+                                                r"answer: \[Errno -2\] Name or service not known\)"):
+        GSRQCodebooks.from_pretrained("someone/cb")
+    assert hub_calls[-1] == ("someone/cb", True) and time.perf_counter() - started < 10
+
+    class Network:
+        def head(self, url, timeout):
+            return object()
+
+    monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: Network())
+    assert hub.hub_unreachable() is None
+    with pytest.raises(CodebookFileError, match="could not be downloaded"):
+        GSRQCodebooks.from_pretrained("someone/cb")
+    assert hub_calls[-1] == ("someone/cb", False)  # reachable: a real download
+

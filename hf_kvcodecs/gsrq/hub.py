@@ -4,6 +4,8 @@ Codebooks fitted once for a model are useful to everyone who runs that model, an
 repository holding the two files ``hf-kvcodecs calibrate`` writes (plus a card) lets a user skip that:
 ``generate(..., cache_implementation="gsrq", cache_config={"codebooks": "owner/name"})``. Downloads go through
 ``huggingface_hub``'s cache, so they work offline once fetched (``HF_HUB_OFFLINE=1``) and a commit hash pins them.
+A name is looked for as a local folder first; only an ``owner/name`` id is then looked up on the Hub, and when the Hub
+cannot be reached (offline mode, no network) only in its cache, so a missing name fails at once, not after retries.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..hub import library_versions, looks_like_repo_id, templates_dir
+from ..hub import hub_unreachable, is_owner_name, library_versions, templates_dir
 from .codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
 
 CODEBOOK_CARD_TEMPLATE = "gsrq_codebooks.md"
@@ -33,7 +35,12 @@ def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: 
         RevisionNotFoundError,
     )
 
+    if not is_owner_name(repo_id):
+        raise CodebookFileError(_not_found(repo_id) + " and is not a Hub repo id of the form owner/name.")
     where = f"{repo_id}" + (f"/{subfolder}" if subfolder else "") + (f" at revision {revision}" if revision else "")
+    unreachable = None if local_files_only else hub_unreachable()
+    if unreachable:  # its cache may still hold them
+        local_files_only = True
     paths = []
     for name in CODEBOOK_FILES:
         try:
@@ -41,9 +48,10 @@ def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: 
                                               revision=revision, token=token, cache_dir=cache_dir,
                                               local_files_only=local_files_only)))
         except LocalEntryNotFoundError as error:  # before EntryNotFoundError, which it subclasses
+            why = f"the Hub could not be reached ({unreachable})" if unreachable else "they could not be downloaded"
             raise CodebookFileError(
-                f"{repo_id!r} is not a local directory, and its codebooks ({where}) are not in the Hub cache and could "
-                "not be downloaded (offline?). Download them once with network access, or pass a local directory."
+                _not_found(repo_id) + f", and its codebooks on the Hub ({where}) are not in the Hub cache and {why}. "
+                "Download them once with network access, or pass a local directory."
                 + ("" if subfolder else _SAVED_MODEL_HINT)
             ) from error
         except GatedRepoError as error:
@@ -82,12 +90,18 @@ def resolve_codebooks(source: str | Path, *, revision: str | None = None, subfol
             raise ValueError(f"revision={revision!r} was given, but {source} is a local directory; drop the revision "
                              "or pass a Hub repo id.")
         return path / subfolder if subfolder else path
-    if isinstance(source, str) and looks_like_repo_id(source):
+    if isinstance(source, str) and is_owner_name(source):
         return download_codebooks(source, revision=revision, subfolder=subfolder, token=token)
     raise CodebookFileError(
-        f"{source} does not exist. Pass a directory written by `hf-kvcodecs calibrate --out DIR` or a Hub repo id "
-        "(owner/name) of pushed codebooks."
+        _not_found(source) + ", and it is not a Hub repo id (owner/name), so the Hub was not asked. Pass a directory "
+        "written by `hf-kvcodecs calibrate --out DIR` or the owner/name id of codebooks pushed to the Hub."
     )
+
+
+def _not_found(source) -> str:
+    """The start of the error for a codebook name found nowhere: where it was looked for locally."""
+    path = Path(source).expanduser()
+    return f"{source} does not exist: no local folder {path if path.is_absolute() else path.absolute()}"
 
 
 def codebook_card(codebooks: GSRQCodebooks, *, repo_id: str | None = None, base_model: str | None = None,
