@@ -1,4 +1,5 @@
 import importlib
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -168,7 +169,51 @@ print("ok")
 def test_fresh_import_outside_the_range_keeps_cache_objects_usable(tiny_codebooks_dir, tmp_path):
     """A new interpreter that sees an unsupported transformers: import warns once, nothing is patched, a GSRQCache
     passed to generate() works and cache_implementation="gsrq" gets transformers' own error."""
-    # cwd away from the repository root, whose kernels/ folder would shadow the `kernels` package transformers imports
     result = subprocess.run([sys.executable, "-c", FRESH_IMPORT, str(tiny_codebooks_dir)], cwd=tmp_path, env=dict(os.environ),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+SHADOWED_IMPORT = """
+import sys
+import kernels
+assert kernels.__file__ == sys.argv[1], kernels.__file__
+import hf_kvcodecs.kernels
+assert hf_kvcodecs.kernels.MAX_BEAM_WIDTH > 0 and sys.modules["kernels"] is kernels
+print("ok")
+"""
+
+
+def _installed_kernels_package() -> str | None:
+    """The ``__init__.py`` of an installed Hugging Face ``kernels`` package (transformers >= 5.25 requires one)."""
+    try:
+        files = importlib.metadata.files("kernels") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [file for file in files if str(file).replace("\\", "/") == "kernels/__init__.py"]
+    return str(found[0].locate()) if found else None
+
+
+@pytest.mark.parametrize("other_kernels", [True, False], ids=["another-kernels-on-the-path", "no-other-kernels"])
+def test_repository_root_on_the_path_does_not_shadow_the_kernels_package(tmp_path, other_kernels):
+    """From the repository root (``python -m pytest``, ``python -c``) the checkout's kernels/ folder comes first on
+    sys.path; the Hugging Face ``kernels`` package that transformers >= 5.25 imports must still be the one found, and
+    without one the name stays an empty module rather than a second copy of hf_kvcodecs' ops."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    installed = _installed_kernels_package()
+    path = [root]
+    if installed is not None:
+        if not other_kernels:
+            pytest.skip("the Hugging Face kernels package is installed here")
+        expected = installed
+    elif other_kernels:  # a stand-in, found after the repository root
+        expected = tmp_path / "site" / "kernels" / "__init__.py"
+        expected.parent.mkdir(parents=True)
+        expected.write_text("CUDAProperties = object\n")
+        path.append(str(tmp_path / "site"))
+    else:
+        expected = os.path.join(root, "kernels", "__init__.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    result = subprocess.run([sys.executable, "-c", SHADOWED_IMPORT, str(expected)], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # [min, max): the releases the test suite passed on. `make check-newest-transformers` runs the patch's tests against the
 # newest release on PyPI.
-SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.25.0"))
+SUPPORTED_TRANSFORMERS = (Version("5.24.0"), Version("5.26.0"))
 _PATCH_MARKER = "_hf_kvcodecs_cache_implementations"
 
 CACHE_IMPLEMENTATIONS: dict[str, Callable] = {}
