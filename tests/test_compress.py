@@ -104,6 +104,31 @@ def test_recorded_command_reproduces_the_settings(compressed, tiny_model_dir):
     assert str(args.out) == str(out) and report["commands"][-1].startswith("# plus calibration settings")
 
 
+def test_compress_takes_existing_codebooks_instead_of_calibrating(compressed, tiny_model_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from hf_kvcodecs.gsrq import calibrate as calibration
+
+    out, first = compressed
+    monkeypatch.setattr(calibration, "collect_kv_samples", lambda *a, **k: pytest.fail("calibrated again"))
+    source = str(out / KV_CODEBOOKS_FOLDER)  # e.g. the codebooks of an earlier run
+    again = tmp_path / "again"
+    assert main(["compress", "--model", str(tiny_model_dir), "--weight-bits", "4", "--group-size", "16",
+                 "--codebooks", source, "--eval-windows", "2", "--eval-context-tokens", "96",
+                 "--eval-decoded-tokens", "16", "--out", str(again), "--threads", "1"]) == 0
+    report = json.loads((again / REPORT_FILE).read_text())
+    assert report["kv_cache"]["codebooks_source"] == source and first["kv_cache"]["codebooks_source"] is None
+    assert report["kv_cache"]["calibration"] == first["kv_cache"]["calibration"]  # what they were calibrated on
+    saved, given = (load_file(str(d / KV_CODEBOOKS_FOLDER / TENSORS_FILE)) for d in (again, out))
+    assert saved.keys() == given.keys() and all(torch.equal(saved[k], given[k]) for k in given)
+    card = (again / "README.md").read_text()
+    assert f"| KV codebooks | reused ({source}), calibrated on" in card
+    command = next(c for c in report["commands"] if c.startswith("hf-kvcodecs compress"))
+    assert build_parser().parse_args(shlex.split(command)[1:]).codebooks == source
+    with pytest.raises(ValueError, match="need kv='gsrq'"):
+        CompressSettings(model=str(tiny_model_dir), kv="none", codebooks=source)
+
+
 def test_cli_compress_weights_only_and_push(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import huggingface_hub
 

@@ -240,3 +240,100 @@ def test_squat_refuses_untokenized_datasets_with_the_one_line_fix(tmp_path):
     trainer = SQuaTTrainer(model, args=args, quantization_config=fake, train_dataset=tokenized)
     trainer.train()  # the tokenized rows train
 
+
+# ---- calibrations are reused where codebooks of the same calibration exist -----------------------------------------
+
+SMALL = dict(bits=2.0, window_tokens=64, sampled_tokens_per_window=32, num_windows=2, holdout_windows=1, n_iter=2,
+             fit_rows=256)
+
+
+class CharacterTokenizer:
+    """One token per character (ids 3..127): enough for calibrate_gsrq on a tiny model."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": [3 + ord(c) % 125 for c in text]}
+
+
+@pytest.fixture
+def calibration_text(tmp_path):
+    path = tmp_path / "calibration.txt"
+    path.write_text(" ".join(f"line {i}: the quick brown fox jumps over the lazy dog." for i in range(20)))
+    return [str(path)]
+
+
+def _calibrated_again(*args, **kwargs):
+    raise AssertionError("calibrated again")
+
+
+def _tensors(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / TENSORS_FILE))
+
+
+def test_calibrate_gsrq_reuses_codebooks_of_the_same_calibration_in_out(tiny_model, calibration_text, tmp_path,
+                                                                        monkeypatch, capsys):
+    import copy
+
+    from hf_kvcodecs.gsrq import calibrate as calibration
+    from hf_kvcodecs.gsrq import calibrate_gsrq
+
+    monkeypatch.setenv("HF_KVCODECS_CACHE", str(tmp_path / "store"))
+    out = tmp_path / "codebooks"
+    first = calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, progress=False, **SMALL)
+    identity = first.calibration["identity"]
+    assert identity["bits"] == 2.0 and len(identity["weights_sha256"]) == 64 and len(identity["digest"]) == 16
+    saved = _tensors(out)
+
+    real_collect = calibration.collect_kv_samples
+    monkeypatch.setattr(calibration, "collect_kv_samples", _calibrated_again)
+    again = calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, **SMALL)
+    assert again.calibration["identity"] == identity
+    assert f"Reusing the GSRQ codebooks in {out}: calibrated with the same settings" in capsys.readouterr().err
+    assert _tensors(out).keys() == saved.keys() and all(torch.equal(_tensors(out)[k], saved[k]) for k in saved)
+
+    # other settings, other weights or other text: refused, saying what differs, and nothing is replaced
+    with pytest.raises(FileExistsError, match=r"calibrated with seed=0 \(asked: 1\).*overwrite=True"):
+        calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, **{**SMALL, "seed": 1})
+    other = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    with pytest.raises(FileExistsError, match="calibrated for other model weights"):
+        calibrate_gsrq(other, CharacterTokenizer(), text=calibration_text, out=out, **SMALL)
+    with pytest.raises(FileExistsError, match="on other calibration tokens"):
+        calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text * 2, out=out, **SMALL)
+    assert all(torch.equal(_tensors(out)[k], saved[k]) for k in saved)
+
+    # overwrite=True calibrates anew (and so does reuse=False)
+    with pytest.raises(AssertionError, match="calibrated again"):
+        calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, overwrite=True, **SMALL)
+    with pytest.raises(AssertionError, match="calibrated again"):
+        calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, reuse=False, **SMALL)
+    monkeypatch.setattr(calibration, "collect_kv_samples", real_collect)
+    replaced = calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, overwrite=True,
+                              progress=False, **SMALL)
+    assert replaced.calibration["identity"] == identity  # (same calibration, same seed: the same codebooks)
+
+
+def test_calibrate_gsrq_reuses_the_codebook_store_that_demo_fills(tiny_model, calibration_text, tmp_path, monkeypatch,
+                                                                 capsys):
+    from hf_kvcodecs.gsrq import calibrate as calibration
+    from hf_kvcodecs.gsrq import calibrate_gsrq
+    from hf_kvcodecs.gsrq.store import default_store, ensure_codebooks
+    from hf_kvcodecs.models import LoadedModel
+
+    monkeypatch.setenv("HF_KVCODECS_CACHE", str(tmp_path / "cache"))
+    loaded = LoadedModel(tiny_model, CharacterTokenizer(), "tiny/model", "a tiny random model")
+    stored, directory, reused = ensure_codebooks(loaded, text=calibration_text, progress=False, **SMALL)
+    assert not reused and directory.parent == default_store() and directory.name.startswith("tiny_model-l2-")
+
+    monkeypatch.setattr(calibration, "collect_kv_samples", _calibrated_again)
+    assert ensure_codebooks(loaded, text=calibration_text, progress=False, **SMALL)[1:] == (directory, True)
+    out = tmp_path / "mine"
+    mine = calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, out=out, **SMALL)
+    assert f"Reusing the GSRQ codebooks in {directory}" in capsys.readouterr().err
+    assert mine.calibration["identity"] == stored.calibration["identity"]
+    assert GSRQCodebooks.load(out).calibration["identity"] == stored.calibration["identity"]  # copied into out
+    # the store is only read: a calibration it does not hold is made (here: refused by the stub)
+    with pytest.raises(AssertionError, match="calibrated again"):
+        calibrate_gsrq(tiny_model, CharacterTokenizer(), text=calibration_text, **{**SMALL, "bits": 1.5})

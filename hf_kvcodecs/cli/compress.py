@@ -27,11 +27,17 @@ def add_parser(commands) -> None:
                           help="'packed': codes packed into int32 words with their scales; 'fake': float weights with "
                                "fake quantization, for quantization-aware training")
     compress.add_argument("--kv", default="gsrq", choices=["gsrq", "none"],
-                          help="KV cache compression: 'gsrq' calibrates codebooks and saves them as the model's "
-                               "default cache; 'none': the model keeps transformers' default cache")
+                          help="KV cache compression: 'gsrq' calibrates codebooks (or takes --codebooks) and saves them as "
+                               "the model's default cache; 'none': the model keeps transformers' default cache")
     compress.add_argument("--kv-bits", type=float, default=2.0,
                           help="GSRQ bits per KV element (incl. the scale): the rate the codebooks are calibrated for "
                                "and the saved model's cache runs at")
+    compress.add_argument("--codebooks", default=None,
+                          help="existing GSRQ codebooks to save with the model instead of calibrating: a directory "
+                               "written by `hf-kvcodecs calibrate --out DIR` (or the kv_codebooks/ folder of an "
+                               "earlier compress output) or the owner/name of codebooks pushed to the Hub (default: "
+                               "none: calibrate, or reuse codebooks calibrated before with the same settings for the "
+                               "same (quantized) weights from the codebook store)")
     compress.add_argument("--calibration-text", nargs="+", default=None,
                           help="KV calibration text: files, a built-in corpus, datasets:NAME[:CONFIG]:SPLIT "
                                f"(default: {CALIBRATION_TEXT})")
@@ -63,7 +69,7 @@ def command(args) -> int:
         mode=args.mode, kv=args.kv, kv_bits=args.kv_bits, calibration_text=args.calibration_text,
         calibration_windows=args.calibration_windows, calibration_window_tokens=args.calibration_window_tokens,
         evaluation_text=args.eval_text, eval_windows=args.eval_windows, eval_context_tokens=args.eval_context_tokens,
-        eval_decoded_tokens=args.eval_decoded_tokens, seed=args.seed,
+        eval_decoded_tokens=args.eval_decoded_tokens, seed=args.seed, codebooks=args.codebooks,
     )
     report = compress(settings, args.out, push_to_hub=args.push_to_hub, token=args.token, private=args.private)
     print((Path(args.out) / "README.md").read_text())

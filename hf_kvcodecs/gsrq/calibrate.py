@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,22 +31,109 @@ from ..codecs.residual import (
 from ..models import model_fingerprint
 from ..rope import find_rotary_parameters
 from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
-from .codebooks import GSRQCodebooks, check_save_directory
+from .codebooks import CodebookFileError, GSRQCodebooks, check_save_directory, holds_codebooks
+from .identity import (
+    IDENTITY_KEY,
+    calibration_identity,
+    default_store,
+    how_they_differ,
+    same_calibration,
+    store_directory,
+    stored_candidates,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def calibrate_gsrq(model, tokenizer, *, text=None, **settings) -> GSRQCodebooks:
+def calibrate_gsrq(model, tokenizer, *, text=None, out: str | Path | None = None, overwrite: bool = False,
+                   reuse: bool = True, store: str | Path | None = None, progress: bool = True,
+                   settings: GSRQFitSettings | None = None, **changes) -> GSRQCodebooks:
     """Calibrate GSRQ codebooks for ``model`` on real text and optionally save them (``out=DIR``).
 
     ``text`` is a corpus name, a list of files or a ``datasets:`` spec (default: CPython's reference manual topics).
-    ``settings`` are those of :func:`fit_gsrq_codebooks`: ``bits`` is the highest rate (bits per KV element, fp16
-    scale included) the codebooks must serve, and every lower rate is a prefix of the same stages.
+    ``settings`` and the keyword arguments on top are those of :func:`fit_gsrq_codebooks`: ``bits`` is the highest
+    rate (bits per KV element, scale included) the codebooks must serve, and every lower rate is a prefix of the same
+    stages.
+
+    Calibrating takes minutes, so codebooks calibrated before are reused (and a line says so) when they were
+    calibrated with the same settings for the same model (its weights) on the same tokens: those ``out`` already
+    holds, or those of the codebook store ``store`` (default :func:`~hf_kvcodecs.gsrq.store.default_store`, which
+    ``hf-kvcodecs demo`` fills), copied into ``out``. ``out`` holding other codebooks is refused, naming what
+    differs. ``overwrite=True`` calibrates anew and replaces what ``out`` holds; ``reuse=False`` calibrates anew.
     """
+    done = calibrate_or_reuse(model, tokenizer, text=text, settings=(settings or GSRQFitSettings()).replaced(**changes),
+                              out=out, overwrite=overwrite, reuse=reuse, store=store, progress=progress)
+    if done.reused:
+        message = (f"Reusing the GSRQ codebooks in {done.reused_from}: calibrated with the same settings for the same "
+                   "model on the same text" + (f"; copied to {done.directory}" if done.directory != done.reused_from
+                                               else "") + ". Pass overwrite=True (CLI: --overwrite) or reuse=False to "
+                   "calibrate anew.")
+        logger.info(message)
+        if progress:
+            print(message, file=sys.stderr)
+    return done.codebooks
+
+
+@dataclass
+class Calibration:
+    """What :func:`calibrate_or_reuse` did: the codebooks, the directory holding them (None: not saved) and whether
+    they were reused (from ``reused_from``) rather than calibrated."""
+
+    codebooks: GSRQCodebooks
+    directory: Path | None
+    reused: bool
+    reused_from: Path | None = None
+
+
+def calibrate_or_reuse(model, tokenizer, *, text, settings: GSRQFitSettings, out: str | Path | None = None,
+                       overwrite: bool = False, reuse: bool = True, store: str | Path | None = None,
+                       keep_as: str | None = None, progress: bool = True) -> Calibration:
+    """:func:`calibrate_gsrq`'s work. ``keep_as`` (the model's name as the user gave it) keeps codebooks calibrated
+    without an ``out`` in the store, in a directory named for the model and the calibration's identity (what
+    :func:`~hf_kvcodecs.gsrq.store.ensure_codebooks` does)."""
     started = time.perf_counter()
     corpus = load_corpus(text, default=CALIBRATION_DEFAULT)
     token_ids = tokenize_corpus(tokenizer, corpus)
-    return fit_gsrq_codebooks(model, token_ids, text_info=corpus.to_dict(), started=started, **settings)
+    identity = calibration_identity(model, token_ids, dataclasses.asdict(settings), name=keep_as)
+    store = Path(store).expanduser() if store is not None else default_store()
+    if identity is not None and reuse and not overwrite:
+        found = _reusable(identity, out, store)
+        if found is not None:
+            codebooks, directory = found
+            if out is not None and Path(out) != directory:  # found in the store: a copy where it was asked for
+                codebooks.save(out, overwrite=False)
+            return Calibration(codebooks, Path(out) if out is not None else directory, True, directory)
+    if out is None and keep_as is not None and identity is not None:
+        out = store_directory(store, keep_as, identity)
+        overwrite = True  # what is there is unusable (else it was reused above), so replacing it loses nothing
+    codebooks = _fit_codebooks(model, token_ids, settings, text_info=corpus.to_dict(), out=out, overwrite=overwrite,
+                               progress=progress, started=started, identity=identity)
+    return Calibration(codebooks, Path(out) if out is not None else None, False)
+
+
+def _reusable(identity: dict, out, store: Path) -> tuple[GSRQCodebooks, Path] | None:
+    """Codebooks of ``identity`` in ``out`` or else in the store, with their directory; ``out`` holding codebooks of
+    another calibration is an error (they are not replaced unless asked)."""
+    if out is not None and holds_codebooks(out):
+        try:
+            codebooks = GSRQCodebooks.load(out)
+        except CodebookFileError as error:
+            raise FileExistsError(f"{out} already holds GSRQ codebooks, but they cannot be used ({error}). Pass "
+                                  "overwrite=True (CLI: --overwrite) to calibrate anew and replace them.") from error
+        if same_calibration(codebooks, identity):
+            return codebooks, Path(out)
+        raise FileExistsError(f"{out} already holds GSRQ codebooks, calibrated {how_they_differ(codebooks, identity)}. "
+                              "Pass another directory, or overwrite=True (CLI: --overwrite) to calibrate anew and "
+                              "replace them.")
+    for directory in stored_candidates(store, identity):
+        try:
+            codebooks = GSRQCodebooks.load(directory)
+        except CodebookFileError as error:
+            logger.warning("Not reusing the stored codebooks in %s, which are unusable (%s).", directory, error)
+            continue
+        if same_calibration(codebooks, identity):
+            return codebooks, directory
+    return None
 
 
 @dataclass(frozen=True)
@@ -108,8 +196,10 @@ def _fit_codebooks(
     overwrite: bool = False,
     progress: bool = True,
     started: float | None = None,
+    identity: dict | None = None,
 ) -> GSRQCodebooks:
-    """:func:`fit_gsrq_codebooks` with every setting spelled out."""
+    """:func:`fit_gsrq_codebooks` with every setting spelled out; ``identity`` (of the calibration: see
+    :mod:`hf_kvcodecs.gsrq.identity`) is recorded with the codebooks, so that they can be reused."""
     _check_settings(settings, out=out, overwrite=overwrite)
     if settings.key_space not in ("pre_rope", "post_rope"):
         raise ValueError(f"key_space must be 'pre_rope' or 'post_rope', got {settings.key_space!r}.")
@@ -216,6 +306,7 @@ def _fit_codebooks(
         "kmeans_seeding": KMEANS_SEEDING_REVISION,
         "holdout_mean": {k: mean(k) for k in per_layer[0]},
         "holdout_per_layer": per_layer,
+        **({IDENTITY_KEY: identity} if identity is not None else {}),
     }
     codebooks = GSRQCodebooks(
         key_codecs, value_codecs, config, fingerprint, calibration,

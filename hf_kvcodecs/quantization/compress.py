@@ -19,8 +19,9 @@ import torch
 from transformers import DynamicCache
 
 from ..evaluation.paired import decode_nll, fixed_windows, paired_comparison
-from ..gsrq import GSRQCache, calibrate_gsrq
+from ..gsrq import GSRQCache, GSRQFitSettings, load_codebooks
 from ..gsrq.cache import DEFAULT_FLUSH_INTERVAL, DEFAULT_NUM_SINK_TOKENS, DEFAULT_WINDOW_LENGTH
+from ..gsrq.calibrate import calibrate_or_reuse
 from ..hub import DEFAULT_MODEL_LICENSE, library_versions, model_hub_id
 from ..models import DEFAULT_MODEL_NAME, load_model
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
@@ -55,6 +56,10 @@ class CompressSettings:
     eval_context_tokens: int = 512
     eval_decoded_tokens: int = 64
     seed: int = 0
+    # Existing GSRQ codebooks (a directory, e.g. the kv_codebooks/ folder of an earlier output, or a Hub id owner/name)
+    # saved with the model instead of calibrating; None calibrates (or reuses a calibration with the same settings for
+    # the same weights from the codebook store).
+    codebooks: str | None = None
     # Further fit_gsrq_codebooks settings (n_iter, fit_rows, ...): Python API only, e.g. to make tests fast.
     calibration_fit: dict = field(default_factory=dict)
 
@@ -63,6 +68,8 @@ class CompressSettings:
             raise ValueError(f"kv must be one of {KV_CHOICES}, got {self.kv!r}.")
         if self.weight_bits is None and self.kv == "none":
             raise ValueError("Nothing to compress: pass weight bits, a KV cache (--kv gsrq), or both.")
+        if self.codebooks is not None and self.kv != "gsrq":
+            raise ValueError("codebooks (--codebooks) are the GSRQ KV cache's: they need kv='gsrq' (--kv gsrq).")
         for name in ("eval_windows", "eval_context_tokens", "eval_decoded_tokens", "calibration_windows",
                      "calibration_window_tokens"):
             value = getattr(self, name)
@@ -84,10 +91,14 @@ class CompressSettings:
             args += ["--mode", self.mode]
         args += ["--kv", self.kv]
         if self.kv != "none":
-            args += ["--kv-bits", f"{self.kv_bits:g}", "--calibration-windows", str(self.calibration_windows),
-                     "--calibration-window-tokens", str(self.calibration_window_tokens)]
-            if self.calibration_text is not None:
-                args += ["--calibration-text", *_as_list(self.calibration_text)]
+            args += ["--kv-bits", f"{self.kv_bits:g}"]
+            if self.codebooks is not None:
+                args += ["--codebooks", str(self.codebooks)]
+            else:
+                args += ["--calibration-windows", str(self.calibration_windows),
+                         "--calibration-window-tokens", str(self.calibration_window_tokens)]
+                if self.calibration_text is not None:
+                    args += ["--calibration-text", *_as_list(self.calibration_text)]
         if self.evaluation_text is not None:
             args += ["--eval-text", *_as_list(self.evaluation_text)]
         args += ["--eval-windows", str(self.eval_windows), "--eval-context-tokens", str(self.eval_context_tokens),
@@ -149,13 +160,7 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
     kv_cache = None
     if settings.kv == "gsrq":
         step = time.perf_counter()
-        with dequantized_weight_cache(model):  # calibration runs many forward passes: dequantize once
-            codebooks = calibrate_gsrq(
-                model, tokenizer, text=settings.calibration_text, bits=settings.kv_bits,
-                num_windows=settings.calibration_windows, window_tokens=settings.calibration_window_tokens,
-                holdout_windows=settings.calibration_holdout_windows, seed=settings.seed, progress=progress,
-                **settings.calibration_fit,
-            )
+        codebooks, source = _kv_codebooks(settings, model, tokenizer, progress)
         attach_kv_codebooks(model, codebooks, bits=settings.kv_bits)
         timings["calibrate"] = time.perf_counter() - step
         cache_options = dict(model.generation_config.cache_config)  # exactly what generate() will use by default
@@ -174,6 +179,7 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
         calibration = codebooks.calibration
         kv_cache = {
             "implementation": "gsrq", "bits": settings.kv_bits, "folder": KV_CODEBOOKS_FOLDER,
+            "codebooks_source": source,
             **{key: cache_options[key] for key in ("window_length", "flush_interval", "num_sink_tokens") if key in cache_options},
             "calibration": {
                 "text": calibration["text"]["description"],
@@ -229,6 +235,27 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
     if push_to_hub:
         push_compressed_model(out, push_to_hub, token=token, private=private)
     return report
+
+
+def _kv_codebooks(settings: CompressSettings, model, tokenizer, progress: bool):
+    """The codebooks the compressed model is saved with and where they came from (None: calibrated in this run):
+    ``settings.codebooks``, or a calibration with these settings for the model as it is now (weights quantized),
+    reused from the codebook store where one was kept there."""
+    if settings.codebooks is not None:
+        codebooks = load_codebooks(settings.codebooks)
+        codebooks.check_fits(model.config)
+        logger.info("Using the GSRQ codebooks %s instead of calibrating.", settings.codebooks)
+        return codebooks, str(settings.codebooks)
+    fit = GSRQFitSettings(bits=settings.kv_bits, num_windows=settings.calibration_windows,
+                          window_tokens=settings.calibration_window_tokens,
+                          holdout_windows=settings.calibration_holdout_windows, seed=settings.seed)
+    with dequantized_weight_cache(model):  # calibration runs many forward passes: dequantize once
+        done = calibrate_or_reuse(model, tokenizer, text=settings.calibration_text,
+                                  settings=fit.replaced(**settings.calibration_fit), progress=progress)
+    if done.reused:
+        logger.info("Reusing the GSRQ codebooks in %s: calibrated with the same settings for the same weights.",
+                    done.reused_from)
+    return done.codebooks, str(done.reused_from) if done.reused else None
 
 
 def _as_list(value) -> list[str]:
