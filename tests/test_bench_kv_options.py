@@ -127,9 +127,9 @@ def test_bit_rates_can_be_chosen_and_are_recorded(runs, calibrations):
     assert rows == ["fp32 DynamicCache", "same codec, l2 k-means codebooks 2.5-bit"]
     assert "--bits 2.5 " in recorded and runs(recorded) == (rows, recorded)
     assert calibrations[-1]["bits"] == 2.5  # calibrated at the highest rate asked for
-    # a joint code over both heads pays one index for 32 elements: 0.8 bits is more than one stage
-    rows, _ = runs("hf-kvcodecs bench kv --baselines --learners l2 --key-layout joint_heads --bits 0.8 2")
-    assert rows[1:] == [f"same codec, l2 k-means codebooks, keys joint over heads {bits}-bit" for bits in ("0.8", "2")]
+    # a joint code over both heads pays one index for 32 elements: 0.75 bits is one stage
+    rows, _ = runs("hf-kvcodecs bench kv --baselines --learners l2 --key-layout joint_heads --bits 0.75 2")
+    assert rows[1:] == [f"same codec, l2 k-means codebooks, keys joint over heads {bits}-bit" for bits in ("0.75", "2")]
 
 
 def test_the_group_size_of_the_gsrq_rows_can_be_chosen(runs, calibrations):
@@ -155,6 +155,9 @@ def test_bad_row_choices_are_refused_before_any_calibration(runs, calibrations):
         runs("hf-kvcodecs bench kv --bits 0.8 2")
     with pytest.raises(ValueError, match=r"--bits 0.7 is below .* keys coded joint over heads \(0.750 bits"):
         runs("hf-kvcodecs bench kv --bits 0.7 --key-layout joint_heads")
+    # per head: 1 bit, then whole 8-bit stages of 16 elements (0.5 bits): 1.1 would be served at 1
+    with pytest.raises(ValueError, match=r"--bits 1.1 falls between two rates .* Pass 1 or 1.5"):
+        runs("hf-kvcodecs bench kv --bits 1.1 2")
     with pytest.raises(SystemExit):  # argparse: not a choice
         runs("hf-kvcodecs bench kv --baselines quanto-8")
     with pytest.raises(ValueError, match=r"--plain-rvq 6: a group size must be .* divides the model's head_dim \(16\)"):

@@ -13,7 +13,7 @@ from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
 from ..gsrq import GSRQCache
-from ..gsrq.codebooks import LAYOUTS, heads_per_code
+from ..gsrq.codebooks import LAYOUTS, RATE_TOLERANCE, heads_per_code
 from ..gsrq.store import calibration_defaults, ensure_codebooks
 from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
@@ -219,7 +219,8 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
 
 def check_rates_offered(config, rates, layouts) -> None:
     """Refuse, before any calibration, a rate below what one residual stage plus the scales cost in one of the
-    ``layouts`` (calibration settings, as from :func:`codec_layout`) to be measured."""
+    ``layouts`` (calibration settings, as from :func:`codec_layout`) to be measured, or one between two stages (the
+    codebooks serve the lowest rate plus whole stages only)."""
     defaults, fingerprint = calibration_defaults(), model_fingerprint(config)
     codebook_bits, scale_bits = defaults["codebook_bits"], defaults["scale_bits"]
     for layout in layouts:
@@ -237,6 +238,15 @@ def check_rates_offered(config, rates, layouts) -> None:
                     f"plus the {scale_bits}-bit scale{'s' if heads > 1 else ''} per {heads * fingerprint['head_dim']} "
                     f"elements). Choose rates of at least {lowest:.3f}."
                 )
+            step = codebook_bits / (heads * fingerprint["head_dim"])
+            for rate in rates:
+                below = lowest + math.floor((rate - lowest + RATE_TOLERANCE) / step) * step
+                if rate - below > RATE_TOLERANCE:
+                    raise ValueError(
+                        f"--bits {rate:g} falls between two rates GSRQ serves for this model's {kind}s coded "
+                        f"{_LAYOUT_WORDS[chosen]} (the lowest, {lowest:.4f}, plus whole stages of {step:.4f} bits per "
+                        f"element). Pass {below:.4g} or {below + step:.4g}."
+                    )
 
 
 def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,
