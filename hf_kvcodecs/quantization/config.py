@@ -45,6 +45,12 @@ class KVCodecsConfig(QuantizationConfigMixin):
             ``mode="fake"`` to learn the steps (``pack_fake_quantized`` keeps them).
         activation_granularity (`str`, defaults to `"tensor"`):
             One activation step per layer (``"tensor"``) or per input channel (``"channel"``).
+        activation_modules (`list[str]`, *optional*):
+            Which converted layers get their input quantized with ``activation_bits``; the others keep floating-point
+            inputs. Each entry is a module name, a suffix of one at a ``.`` boundary (``"mlp.gate_proj"``, as peft's
+            ``target_modules``), a shell glob (``"model.layers.2[23].mlp.up_proj"``) or a regular expression matching
+            a whole name. A pattern that matches no converted layer is an error listing their names. ``None``: every
+            converted layer (the default).
         weight_init (`str`, defaults to `"minmax"`):
             How fake-quant weight grids start: ``"minmax"`` RTN, or ``"stretched"`` (ParetoQ's stretched elastic
             grid, with ``symmetric=True``: levels at the centres of equal bins of ``[-absmax, absmax]``, at 2 bits
@@ -81,6 +87,7 @@ class KVCodecsConfig(QuantizationConfigMixin):
         scale_dtype: str = "float16",
         activation_bits: int | None = None,
         activation_granularity: str = "tensor",
+        activation_modules: list[str] | None = None,
         weight_init: str = "minmax",
         kv_cache_implementation: str | None = None,
         kv_cache_config: dict[str, Any] | None = None,
@@ -93,9 +100,9 @@ class KVCodecsConfig(QuantizationConfigMixin):
         if kwargs:
             raise ValueError(
                 f"Unknown KVCodecsConfig option(s) {sorted(kwargs)}. Valid options: weight_bits, group_size, symmetric, "
-                "mode, modules_to_not_convert, scale_dtype, activation_bits, activation_granularity, weight_init, "
-                "kv_cache_implementation, kv_cache_config. If they come "
-                "from a checkpoint's config.json, it was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
+                "mode, modules_to_not_convert, scale_dtype, activation_bits, activation_granularity, activation_modules, "
+                "weight_init, kv_cache_implementation, kv_cache_config. If they come from a checkpoint's config.json, it "
+                "was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
             )
         self.quant_method = QUANT_METHOD
         self.weight_bits = weight_bits
@@ -106,6 +113,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
         self.scale_dtype = scale_dtype
         self.activation_bits = None if activation_bits == 16 else activation_bits
         self.activation_granularity = activation_granularity
+        self.activation_modules = ([activation_modules] if isinstance(activation_modules, str)
+                                   else None if activation_modules is None else list(activation_modules))
         self.weight_init = weight_init
         self.kv_cache_implementation = kv_cache_implementation
         self.kv_cache_config = None if kv_cache_config is None else dict(kv_cache_config)
@@ -144,6 +153,13 @@ class KVCodecsConfig(QuantizationConfigMixin):
         if self.activation_granularity not in ACTIVATION_GRANULARITIES:
             raise ValueError(f"activation_granularity must be one of {ACTIVATION_GRANULARITIES}, got "
                              f"{self.activation_granularity!r}.")
+        if self.activation_modules is not None:
+            if self.activation_bits is None:
+                raise ValueError("activation_modules chooses the layers whose inputs activation_bits quantizes; set "
+                                 "activation_bits (2 to 8) too, or leave activation_modules=None.")
+            if not self.activation_modules or not all(isinstance(m, str) and m for m in self.activation_modules):
+                raise ValueError("activation_modules must be a non-empty list of module names or patterns (strings), "
+                                 f"got {self.activation_modules!r}; None quantizes every converted layer's input.")
         if self.weight_init not in WEIGHT_INITS:
             raise ValueError(f"weight_init must be one of {WEIGHT_INITS}, got {self.weight_init!r}.")
         if self.weight_init == "stretched" and not self.symmetric:
@@ -183,6 +199,7 @@ class KVCodecsConfig(QuantizationConfigMixin):
         optional = {name: value for name, value, default in (
             ("activation_bits", self.activation_bits, None),
             ("activation_granularity", self.activation_granularity, "tensor"),
+            ("activation_modules", None if self.activation_modules is None else list(self.activation_modules), None),
             ("weight_init", self.weight_init, "minmax")) if value != default}
         return {
             "quant_method": self.quant_method,

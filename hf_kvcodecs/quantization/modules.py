@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -257,10 +259,13 @@ class FakeQuantLinear(nn.Linear):
 QUANTIZED_LINEAR_TYPES = (PackedLinear, FakeQuantLinear)
 
 
-def empty_quantized_linear(linear: nn.Linear, config) -> nn.Module:
-    """The quantized module replacing ``linear`` before its weights are loaded (built on the current device, e.g. meta)."""
+def empty_quantized_linear(linear: nn.Linear, config, *, quantize_input: bool = True) -> nn.Module:
+    """The quantized module replacing ``linear`` before its weights are loaded (built on the current device, e.g. meta).
+    ``quantize_input=False``: no activation quantizer even with ``config.activation_bits`` (a layer outside
+    ``config.activation_modules``)."""
     common = dict(bits=config.weight_bits, group_size=config.group_size, symmetric=config.symmetric,
-                  activation_bits=config.activation_bits, activation_granularity=config.activation_granularity,
+                  activation_bits=config.activation_bits if quantize_input else None,
+                  activation_granularity=config.activation_granularity,
                   dtype=linear.weight.dtype, device=linear.weight.device)
     bias = linear.bias is not None
     if config.mode == "fake":
@@ -269,15 +274,17 @@ def empty_quantized_linear(linear: nn.Linear, config) -> nn.Module:
     return PackedLinear(linear.in_features, linear.out_features, bias, scale_dtype=SCALE_DTYPES[config.scale_dtype], **common)
 
 
-def quantized_from_linear(linear: nn.Linear, config) -> nn.Module:
-    """The quantized module computed from a loaded float ``linear``."""
+def quantized_from_linear(linear: nn.Linear, config, *, quantize_input: bool = True) -> nn.Module:
+    """The quantized module computed from a loaded float ``linear`` (``quantize_input``: as in
+    :func:`empty_quantized_linear`)."""
+    activation_bits = config.activation_bits if quantize_input else None
     if config.mode == "fake":
         return FakeQuantLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
-                                           symmetric=config.symmetric, activation_bits=config.activation_bits,
+                                           symmetric=config.symmetric, activation_bits=activation_bits,
                                            activation_granularity=config.activation_granularity,
                                            weight_init=config.weight_init,
                                            scale_dtype=SCALE_DTYPES[config.scale_dtype])
-    if config.activation_bits is not None:
+    if activation_bits is not None:
         raise ValueError("Activation quantization needs a learned step per layer: quantize with mode='fake', train "
                          "(e.g. hf_kvcodecs.training.SQuaTTrainer), then pack_fake_quantized(model).")
     return PackedLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
@@ -304,6 +311,38 @@ def linear_layers_to_convert(model: nn.Module, config, modules_to_not_convert) -
         if tiny:
             raise ValueError(f"8-bit layers with in_features=8 cannot be packed distinguishably: {tiny}; add them to modules_to_not_convert.")
     return names
+
+
+def module_name_matches(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` picks the module ``name``: equal to it, a suffix of it at a ``.`` boundary (``"gate_proj"``,
+    ``"mlp.up_proj"``, as peft's ``target_modules``), a shell glob matching it (``"model.layers.1*.mlp.*_proj"``),
+    or a regular expression matching all of it (``r"model\\.layers\\.(10|11)\\.mlp\\.(gate|up)_proj"``)."""
+    if name == pattern or name.endswith("." + pattern) or fnmatch.fnmatchcase(name, pattern):
+        return True
+    try:
+        return re.fullmatch(pattern, name) is not None
+    except re.error:  # a glob such as "*.gate_proj" is no regular expression
+        return False
+
+
+def activation_quantized_layers(names: list[str], patterns: list[str] | None) -> set[str]:
+    """Which of the converted layers ``names`` get an activation quantizer: all of them (``patterns`` ``None``), or
+    those some pattern picks (:func:`module_name_matches`). A pattern that picks none of them is an error that lists
+    the converted layers' names: a misspelt pattern would otherwise leave activations silently in floating point."""
+    if patterns is None:
+        return set(names)
+    chosen = set()
+    for pattern in patterns:
+        matched = {name for name in names if module_name_matches(name, pattern)}
+        if not matched:
+            suffixes = sorted({name.rsplit(".", 1)[-1] for name in names})
+            shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+            raise ValueError(
+                f"activation_modules pattern {pattern!r} matches none of the quantized linear layers. Their names: "
+                f"{shown or 'none'}; their last parts: {suffixes}. A pattern is a name, a suffix of one (e.g. "
+                "'mlp.gate_proj'), a shell glob or a regular expression matching a whole name.")
+        chosen |= matched
+    return chosen
 
 
 @contextlib.contextmanager

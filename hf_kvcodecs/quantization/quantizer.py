@@ -44,6 +44,7 @@ from .kv_artifacts import GSRQ_CODEBOOKS, KVArtifact, kv_artifact
 from .modules import (
     QUANTIZED_LINEAR_TYPES,
     FakeQuantLinear,
+    activation_quantized_layers,
     empty_quantized_linear,
     linear_layers_to_convert,
     quantized_from_linear,
@@ -137,8 +138,10 @@ class KVCodecsHfQuantizer(HfQuantizer):
             model, config.modules_to_not_convert, keep_in_fp32_modules(model)
         )
         names = linear_layers_to_convert(model, config, self.modules_to_not_convert)
+        with_inputs = activation_quantized_layers(names, config.activation_modules) if config.activation_bits else ()
         for name in names:
-            model.set_submodule(name, empty_quantized_linear(model.get_submodule(name), config))
+            model.set_submodule(name, empty_quantized_linear(model.get_submodule(name), config,
+                                                             quantize_input=name in with_inputs))
         if not names:
             logger.warning("hf_kvcodecs: no nn.Linear layer matched for quantization; the weights stay in floating point.")
         return model
@@ -382,8 +385,12 @@ def quantize_model(model, quantization_config: KVCodecsConfig | dict):
         quantizer.modules_to_not_convert = quantizer.get_modules_to_not_convert(
             model, quantization_config.modules_to_not_convert, keep_in_fp32_modules(model)
         )
-        for name in linear_layers_to_convert(model, quantization_config, quantizer.modules_to_not_convert):
-            model.set_submodule(name, quantized_from_linear(model.get_submodule(name), quantization_config))
+        names = linear_layers_to_convert(model, quantization_config, quantizer.modules_to_not_convert)
+        with_inputs = (activation_quantized_layers(names, quantization_config.activation_modules)
+                       if quantization_config.activation_bits else ())
+        for name in names:
+            model.set_submodule(name, quantized_from_linear(model.get_submodule(name), quantization_config,
+                                                            quantize_input=name in with_inputs))
     # What from_pretrained's preprocess/postprocess steps record on a quantized model.
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
