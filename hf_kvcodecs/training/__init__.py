@@ -4,7 +4,8 @@ The learnable quantizers live in :mod:`hf_kvcodecs.codecs.learnable`; the fake-q
 ``KVCodecsConfig(activation_bits=...)`` in :mod:`hf_kvcodecs.quantization`, which this package builds on.
 """
 
-from .losses import chunked_kl, chunked_nll, feature_terms
+from .losses import chunked_kl, chunked_nll, clip_fraction, feature_terms
 from .trainer import SQuaTConfig, SQuaTTrainer, quantized_linear_modules
 
-__all__ = ["SQuaTConfig", "SQuaTTrainer", "chunked_kl", "chunked_nll", "feature_terms", "quantized_linear_modules"]
+__all__ = ["SQuaTConfig", "SQuaTTrainer", "chunked_kl", "chunked_nll", "clip_fraction", "feature_terms",
+           "quantized_linear_modules"]

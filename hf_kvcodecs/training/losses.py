@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..codecs.learnable import signed_levels
+
 
 def _kl_chunk(student_hidden, teacher_hidden, student_head, teacher_head, temperature: float) -> torch.Tensor:
     student = F.log_softmax(student_head(student_hidden).float() / temperature, dim=-1)
@@ -65,3 +67,13 @@ def feature_terms(student_quantized: torch.Tensor, teacher_feature: torch.Tensor
         raise ValueError("A student-quantized teacher target needs the student's activation quantizer.")
     target = quantized if quantized_target else raw
     return (student - target).square().mean() / energy, floor
+
+
+def clip_fraction(values: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """The fraction of ``values`` (``[..., C]``) outside the range ``[-Q_n s, Q_p s]`` of a signed ``bits``-bit grid
+    with step ``s`` (one, or one per channel ``C``): the values that quantizer clips."""
+    negative, positive = signed_levels(bits)
+    scaled = values.detach().float() / step.detach().float()
+    if scaled.numel() == 0:
+        return scaled.new_zeros(())
+    return ((scaled < -negative) | (scaled > positive)).float().mean()

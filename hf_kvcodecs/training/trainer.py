@@ -9,6 +9,11 @@ of its ``post_attention_layernorm``) and ``Q_s`` the student's activation quanti
 applied to the teacher's feature without gradient. Switches in :class:`SQuaTConfig` give the ablations with the same
 code: ``quantize_teacher_features=False`` (feature KD against the raw teacher), ``feature_loss=False`` (logit-only
 KD), and no teacher with ``use_labels=True`` (next-token cross-entropy QAT).
+
+Besides the loss terms, every ``logging_steps`` the trainer logs the mechanism at each distilled layer ``i`` (see
+:meth:`SQuaTTrainer.log`): the drift ``log(s_t / s_0)`` of the student's activation step, the fraction of the
+teacher's feature values outside the student's quantizer range, the bound ``E||Q_s(f_t) - f_t||^2 / E||f_t||^2``
+and the layer's feature term.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from transformers import Trainer
 
 from ..codecs.learnable import LSQActivationQuantizer
 from ..quantization import KVCodecsConfig, pack_fake_quantized, quantize_model
-from .losses import chunked_kl, chunked_nll, feature_terms
+from .losses import chunked_kl, chunked_nll, clip_fraction, feature_terms
 
 logger = logging.getLogger(__name__)
-QUANTIZER_PARAMETER_SUFFIXES = ("weight_scale", "weight_offset", "input_quantizer.step")
+WEIGHT_GRID_SUFFIXES = ("weight_scale", "weight_offset")
+ACTIVATION_STEP_SUFFIXES = ("input_quantizer.step",)
+QUANTIZER_PARAMETER_SUFFIXES = WEIGHT_GRID_SUFFIXES + ACTIVATION_STEP_SUFFIXES
 
 
 @dataclass
@@ -53,6 +60,9 @@ class SQuaTConfig:
         chunk_tokens: rows of logits made at once for the KL and cross-entropy terms.
         quantizer_learning_rate: learning rate of the weight scales/offsets and activation steps (no weight decay);
             ``None`` uses ``TrainingArguments.learning_rate``.
+        activation_step_learning_rate: learning rate of the activation steps alone, in an optimizer group of their
+            own (no weight decay, same schedule as the others); ``None`` keeps them in the quantizer group at
+            ``quantizer_learning_rate``. ``0`` freezes them at their data-based start.
     """
 
     kd_weight: float = 1.0
@@ -67,9 +77,27 @@ class SQuaTConfig:
     label_weight: float = 1.0
     chunk_tokens: int = 512
     quantizer_learning_rate: float | None = None
+    activation_step_learning_rate: float | None = None
+
+    def __post_init__(self):
+        for name in ("quantizer_learning_rate", "activation_step_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"SQuaTConfig.{name} must be a learning rate >= 0 or None, got {value!r}.")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "distillation_layers": list(self.distillation_layers)}
+
+
+EVAL_COUNTS = ("nll", "tokens", "sequences")  # evaluation sums that are no loss term
+
+
+def _to_floats(terms: dict[str, torch.Tensor]) -> list[float]:
+    """The terms' values as floats, read from the device at once."""
+    if not terms:
+        return []
+    device = next(iter(terms.values())).device
+    return torch.stack([value.detach().float().reshape(()).to(device) for value in terms.values()]).tolist()
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -183,6 +211,8 @@ class SQuaTTrainer(Trainer):
         self._captured: dict = {}
         self._hooks = self._install_hooks(model, teacher_model)
         self._terms: dict[str, list[float]] = defaultdict(list)
+        # s_0 of each distilled layer's activation step, for the logged drift log(s_t / s_0)
+        self._initial_steps: dict[int, torch.Tensor] = {}
         self._eval_sums: dict[str, float] = defaultdict(float)
         self._warned_labels = False
 
@@ -203,12 +233,15 @@ class SQuaTTrainer(Trainer):
         if len(student_layers) != len(teacher_layers):
             raise ValueError(f"The student has {len(student_layers)} decoder layers and the teacher "
                              f"{len(teacher_layers)}; SQuaT distils a quantized copy of the teacher's architecture.")
-        if not config.feature_loss:
-            return []
+        # With feature_loss=False the distillation points are only watched (drift, clipping, bound: see log), where
+        # they exist and have an activation quantizer; nothing about them is an error then.
+        strict = config.feature_loss
         points = []
         count = len(student_layers)
         for layer in config.distillation_layers:
             if not -count <= layer < count:
+                if not strict:
+                    continue
                 raise ValueError(f"distillation layer {layer} does not exist: the model has {count} decoder layers "
                                  f"(valid: {-count} to {count - 1}).")
             index = layer % count
@@ -216,9 +249,14 @@ class SQuaTTrainer(Trainer):
                 student_module = student_layers[index].get_submodule(config.distillation_module)
                 teacher_module = teacher_layers[index].get_submodule(config.distillation_module)
             except AttributeError as error:
+                if not strict:
+                    continue
                 raise ValueError(f"Decoder layer {index} has no module {config.distillation_module!r} "
                                  "(SQuaTConfig.distillation_module).") from error
             quantizer = getattr(student_module, "input_quantizer", None)
+            if not strict and not (isinstance(quantizer, LSQActivationQuantizer)
+                                   and hasattr(student_module, "quantize_input")):
+                continue
             if config.quantize_teacher_features and not isinstance(quantizer, LSQActivationQuantizer):
                 raise ValueError(
                     f"The student's layer {index} {config.distillation_module} has no activation quantizer, so there "
@@ -267,8 +305,8 @@ class SQuaTTrainer(Trainer):
                              "DataCollatorForLanguageModeling(tokenizer, mlm=False) or drop use_labels.")
         terms, loss, _ = self._losses(model, inputs, labels if config.use_labels else None)
         if model.training:
-            for name, value in terms.items():
-                self._terms[name].append(float(value))
+            for name, value in zip(terms, _to_floats(terms)):
+                self._terms[name].append(value)
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def _losses(self, model, inputs, labels):
@@ -296,6 +334,8 @@ class SQuaTTrainer(Trainer):
             features, floors = [], []
             for index, student_module, _ in self._distillation_points:
                 raw_student = captured[("feature", "student", index)]
+                if not config.feature_loss:  # only watched: no graph
+                    raw_student = raw_student.detach()
                 raw_teacher = captured[("feature", "teacher", index)].detach()
                 quantizer = getattr(student_module, "input_quantizer", None)
                 student_feature = student_module.quantize_input(raw_student)
@@ -303,13 +343,18 @@ class SQuaTTrainer(Trainer):
                 term, floor = feature_terms(student_feature, raw_teacher, teacher_quantized, mask,
                                             quantized_target=config.quantize_teacher_features)
                 features.append(term)
+                terms[f"layer{index}_feature"] = term.detach()
                 if floor is not None:
                     floors.append(floor)
-            feature = torch.stack(features).mean()
-            terms["feature"] = feature.detach()
+                    terms[f"layer{index}_feature_floor"] = floor
+                if quantizer is not None:
+                    terms.update(self._step_metrics(index, quantizer, raw_teacher[valid]))
             if floors:
                 terms["feature_floor"] = torch.stack(floors).mean()
-            loss = loss + config.feature_weight * feature
+            if config.feature_loss:
+                feature = torch.stack(features).mean()
+                terms["feature"] = feature.detach()
+                loss = loss + config.feature_weight * feature
         if labels is not None:
             shifted = labels[:, 1:]
             keep = shifted.ne(-100) & valid[:, 1:]
@@ -320,6 +365,26 @@ class SQuaTTrainer(Trainer):
             loss = loss + config.label_weight * ce
         self._captured.clear()
         return terms, loss, student_hidden
+
+    def _step_metrics(self, index: int, quantizer: LSQActivationQuantizer, teacher_values: torch.Tensor) -> dict:
+        """Layer ``index``'s activation step against its start ``s_0`` and the teacher's values it clips."""
+        step = quantizer.step.detach().float()
+        initial = self._initial_steps.setdefault(index, step.clone())
+        drift = torch.log(step / initial)
+        metrics = {f"layer{index}_step_drift": drift.mean(),
+                   f"layer{index}_clip_fraction": clip_fraction(teacher_values, step, quantizer.bits)}
+        if drift.numel() > 1:  # per-channel steps: channels may move both ways
+            metrics[f"layer{index}_step_drift_abs"] = drift.abs().mean()
+        return metrics
+
+    def _remember_initial_steps(self) -> None:
+        """``s_0`` := the distilled layers' activation steps now (when training starts, before a checkpoint it
+        resumes from is loaded); a step not initialised yet is remembered at its first use instead."""
+        self._initial_steps = {
+            index: module.input_quantizer.step.detach().float().clone()
+            for index, module, _ in self._distillation_points
+            if isinstance(getattr(module, "input_quantizer", None), LSQActivationQuantizer)
+            and module.input_quantizer.is_initialized}
 
     # ---- activation steps ---------------------------------------------------------------------------------------
     def initialize_activation_quantizers(self, dataloader) -> int:
@@ -342,10 +407,20 @@ class SQuaTTrainer(Trainer):
     def train(self, *args, **kwargs):
         if self.train_dataset is not None:
             self.initialize_activation_quantizers(self.get_train_dataloader())
+        self._remember_initial_steps()
         return super().train(*args, **kwargs)
 
     # ---- logging and evaluation ---------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds to the training logs, as ``squat_<name>``, the means since the last log of the loss terms (``kd``,
+        ``feature``, ``feature_floor``, ``ce``) and, per distilled decoder layer ``i``, of what the feature term
+        does there: ``layer{i}_feature`` (its feature term), ``layer{i}_feature_floor`` (the bound
+        ``E||Q_s(f_t) - f_t||^2 / E||f_t||^2``), ``layer{i}_clip_fraction`` (the fraction of the teacher's feature
+        values outside the student's range ``[-Q_n s, Q_p s]``) and ``layer{i}_step_drift`` (``log(s_t / s_0)`` of
+        the student's activation step, its mean over channels for per-channel steps, with ``_step_drift_abs`` the
+        mean absolute value). Each is measured in the training forward passes, so with the step before that
+        optimizer step's update: a log of step 1 alone (``logging_steps=1`` or ``logging_first_step=True``) has
+        drift 0."""
         if "loss" in logs and self._terms:
             for name, values in self._terms.items():
                 logs[f"squat_{name}"] = sum(values) / len(values)
@@ -365,8 +440,8 @@ class SQuaTTrainer(Trainer):
                               chunk_tokens=self.squat_config.chunk_tokens)
         self._eval_sums["nll"] += float(nll)
         self._eval_sums["tokens"] += float(keep.sum())
-        for name, value in terms.items():
-            self._eval_sums[name] += float(value) * ids.shape[0]
+        for name, value in zip(terms, _to_floats(terms)):
+            self._eval_sums[name] += value * ids.shape[0]
         self._eval_sums["sequences"] += ids.shape[0]
         if self.teacher is None:  # cross-entropy QAT: the evaluation loss is the student's next-token loss
             loss = nll / keep.sum().clamp_min(1)
@@ -384,23 +459,31 @@ class SQuaTTrainer(Trainer):
         sums = dict(zip(names, totals.tolist()))
         if sums.get("tokens"):
             output.metrics[f"{metric_key_prefix}_perplexity"] = math.exp(sums["nll"] / sums["tokens"])
-        for name in ("kd", "feature", "feature_floor"):
-            if name in sums and sums.get("sequences"):
+        for name in names:
+            if name not in EVAL_COUNTS and sums.get("sequences"):
                 output.metrics[f"{metric_key_prefix}_squat_{name}"] = sums[name] / sums["sequences"]
         return output
 
     # ---- optimizer ----------------------------------------------------------------------------------------------
     def create_optimizer(self, model=None):
+        """Groups: weights with and without decay at ``learning_rate``; weight scales/offsets (and the activation
+        steps) at ``quantizer_learning_rate``; with ``activation_step_learning_rate``, the activation steps in a
+        fourth group at that rate. No decay on quantizer parameters; one schedule scales every group."""
         if self.optimizer is not None:
             return self.optimizer
         opt_model = self.model if model is None else model
         decay = set(self.get_decay_parameter_names(opt_model))
-        quantizer_lr = self.squat_config.quantizer_learning_rate or self.args.learning_rate
-        groups = {"decay": [], "no_decay": [], "quantizer": []}
+        config = self.squat_config
+        quantizer_lr = config.quantizer_learning_rate or self.args.learning_rate
+        # activation steps get a group of their own only when asked to: checkpoints keep three groups otherwise
+        separate_steps = config.activation_step_learning_rate is not None
+        groups = {"decay": [], "no_decay": [], "quantizer": [], "activation_step": []}
         for name, parameter in opt_model.named_parameters():
             if not parameter.requires_grad:
                 continue
-            if name.endswith(QUANTIZER_PARAMETER_SUFFIXES):
+            if separate_steps and name.endswith(ACTIVATION_STEP_SUFFIXES):
+                groups["activation_step"].append(parameter)
+            elif name.endswith(QUANTIZER_PARAMETER_SUFFIXES):
                 groups["quantizer"].append(parameter)
             else:
                 groups["decay" if name in decay else "no_decay"].append(parameter)
@@ -408,6 +491,7 @@ class SQuaTTrainer(Trainer):
             {"params": groups["decay"], "weight_decay": self.args.weight_decay},
             {"params": groups["no_decay"], "weight_decay": 0.0},
             {"params": groups["quantizer"], "weight_decay": 0.0, "lr": quantizer_lr},
+            {"params": groups["activation_step"], "weight_decay": 0.0, "lr": config.activation_step_learning_rate},
         ]
         optimizer_cls, optimizer_kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
         self.optimizer = optimizer_cls([group for group in parameter_groups if group["params"]], **optimizer_kwargs)
