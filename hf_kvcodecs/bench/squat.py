@@ -157,6 +157,17 @@ def squat_plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def activation_scope(base: dict) -> str:
+    """Where the activation steps are and how fast they learn, when not the defaults (every layer, the quantizer
+    learning rate)."""
+    text = ""
+    if base.get("activation_modules"):
+        text += " at the inputs of " + ", ".join(f"`{pattern}`" for pattern in base["activation_modules"]) + " only"
+    if base.get("activation_step_learning_rate") is not None:
+        text += f", learning rate {base['activation_step_learning_rate']:g}"
+    return text
+
+
 def squat_markdown(results: dict) -> str:
     base = results["base_settings"]
     grid = base.get("weight_init", "minmax") + (", symmetric" if base.get("symmetric") else "")
@@ -164,7 +175,8 @@ def squat_markdown(results: dict) -> str:
              "", f"Training: {base['steps']} steps x {base['batch_size']} x {base['sequence_tokens']} tokens, weight "
              f"learning rate {base['learning_rate']:g}, quantizer learning rate {base['quantizer_learning_rate']:g}; "
              f"weight groups of {base['group_size']}, {grid} start; {base.get('activation_granularity', 'tensor')} "
-             f"activation steps; {base['eval_windows']} evaluation windows of {base['eval_tokens']} tokens.",
+             f"activation steps{activation_scope(base)}; {base['eval_windows']} evaluation windows of "
+             f"{base['eval_tokens']} tokens.",
              "", *summary_markdown(results), "",
              "Every run:", "", "| setting | arm | seed | bits/weight (layers / all) | ppl | Δppl % ± se vs fp | KL to fp | steps | "
              "tokens seen | train s |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]

@@ -14,7 +14,7 @@ from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT
 SQUAT_ARMS = ("cross-entropy", "logit-kd", "raw-teacher-feature", "squat")
 SQUAT_RUN = {"steps": 100, "sequence_tokens": 512, "batch_size": 4, "learning_rate": 1e-4,
              "quantizer_learning_rate": 1e-5, "group_size": 64, "eval_windows": 8, "eval_tokens": 1024, "seed": 0,
-             "activation_granularity": "channel"}
+             "activation_granularity": "channel", "activation_modules": None, "activation_step_learning_rate": None}
 ACTIVATION_GRANULARITIES = ("tensor", "channel")
 # Mirror of quantization.modules.WEIGHT_INITS; "stretched" is ParetoQ's symmetric grid, the others are min-max grids.
 WEIGHT_INITS = ("minmax", "stretched", "mse")
@@ -33,6 +33,11 @@ def add_parser(commands) -> None:
     squat.add_argument("--weight-bits", type=int, default=4, help="bits per weight of the linear layers (1-8)")
     squat.add_argument("--act-bits", type=int, default=16,
                        help="bits of the linear layers' inputs (2-8; 16 keeps them in floating point)")
+    squat.add_argument("--act-modules", nargs="+", default=SQUAT_RUN["activation_modules"], metavar="PATTERN",
+                       help="quantize only these layers' inputs: names, suffixes ('mlp.gate_proj'), shell globs or "
+                            "regular expressions matched against module names, e.g. 'model.layers.23.mlp.gate_proj' "
+                            "'model.layers.23.mlp.up_proj' (default: every quantized layer; a pattern matching none "
+                            "is an error listing the names)")
     squat.add_argument("--act-granularity", choices=ACTIVATION_GRANULARITIES, default=SQUAT_RUN["activation_granularity"],
                        help="one static activation step per layer (tensor) or per input channel (channel)")
     squat.add_argument("--group-size", type=positive_int, default=SQUAT_RUN["group_size"], help="weights per scale")
@@ -47,6 +52,9 @@ def add_parser(commands) -> None:
     squat.add_argument("--lr", type=float, default=SQUAT_RUN["learning_rate"], help="peak learning rate of weights")
     squat.add_argument("--quantizer-lr", type=float, default=SQUAT_RUN["quantizer_learning_rate"],
                        help="learning rate of weight scales/offsets and activation steps")
+    squat.add_argument("--act-step-lr", type=float, default=SQUAT_RUN["activation_step_learning_rate"],
+                       help="learning rate of the activation steps alone, in an optimizer group of their own "
+                            "(default: --quantizer-lr; 0 freezes them at their data-based start)")
     squat.add_argument("--text", nargs="+", default=None,
                        help=f"training text: files, a built-in corpus or datasets:NAME[:CONFIG]:SPLIT (default: "
                             f"{CALIBRATION_TEXT})")
@@ -65,10 +73,12 @@ def run(args) -> int:
     from ..text import load_corpus, tokenize_corpus
     from ..training.run import SQuaTRunSettings, run_squat
 
+    if args.act_modules and args.act_bits == 16:
+        raise ValueError("--act-modules chooses the layers whose inputs --act-bits quantizes; give --act-bits 2 to 8.")
     settings = SQuaTRunSettings(
         weight_bits=args.weight_bits, activation_bits=None if args.act_bits == 16 else args.act_bits,
-        activation_granularity=args.act_granularity,
-        group_size=args.group_size, **weight_grid(args.weight_init),
+        activation_granularity=args.act_granularity, activation_modules=args.act_modules,
+        activation_step_learning_rate=args.act_step_lr, group_size=args.group_size, **weight_grid(args.weight_init),
         arm=args.arm, steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
         learning_rate=args.lr, quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
         eval_tokens=args.eval_tokens, seed=args.seed)

@@ -34,6 +34,8 @@ class SQuaTRunSettings:
     weight_bits: int = 4
     activation_bits: int | None = None
     activation_granularity: str = "channel"
+    # KVCodecsConfig.activation_modules: the layers whose inputs are quantized (None: every quantized layer)
+    activation_modules: list[str] | None = None
     group_size: int = 64
     symmetric: bool = False
     weight_init: str = "minmax"
@@ -43,6 +45,7 @@ class SQuaTRunSettings:
     batch_size: int = 4
     learning_rate: float = 1e-4
     quantizer_learning_rate: float = 1e-5
+    activation_step_learning_rate: float | None = None  # None: quantizer_learning_rate
     eval_windows: int = 8
     eval_tokens: int = 1024
     seed: int = 0
@@ -126,7 +129,8 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
     config = KVCodecsConfig(weight_bits=settings.weight_bits, group_size=settings.group_size, mode="fake",
                             symmetric=settings.symmetric, weight_init=settings.weight_init,
                             activation_bits=settings.activation_bits,
-                            activation_granularity=settings.activation_granularity)
+                            activation_granularity=settings.activation_granularity,
+                            activation_modules=settings.activation_modules if settings.activation_bits else None)
     student = quantize_model(copy.deepcopy(teacher), config)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
@@ -134,7 +138,8 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
     if settings.activation_bits is None and objective.get("feature_loss", True):
         # no student lattice at the distillation point: Q_s is the identity and SQuaT is feature KD on the raw teacher
         objective["quantize_teacher_features"] = False
-    squat_config = SQuaTConfig(quantizer_learning_rate=settings.quantizer_learning_rate, **objective)
+    squat_config = SQuaTConfig(quantizer_learning_rate=settings.quantizer_learning_rate,
+                               activation_step_learning_rate=settings.activation_step_learning_rate, **objective)
     windows = training_windows(train_ids, settings.steps * settings.batch_size, settings.sequence_tokens, settings.seed)
     args = TrainingArguments(
         output_dir=str(out / "checkpoints"), max_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
@@ -186,7 +191,11 @@ def report_markdown(report: dict) -> str:
              f"included), {report['bits_per_weight']['all_parameters']:.2f} over all parameters (embeddings and "
              "the tied head in 16-bit)." + (
                  f" Activations: static {settings['activation_bits']}-bit steps per "
-                 f"{settings.get('activation_granularity', 'tensor')} at every quantized layer's input."
+                 f"{settings.get('activation_granularity', 'tensor')} at "
+                 + (f"the inputs of the layers matching {settings['activation_modules']}"
+                    if settings.get("activation_modules") else "every quantized layer's input")
+                 + (f", learning rate {settings['activation_step_learning_rate']:g}"
+                    if settings.get("activation_step_learning_rate") is not None else "") + "."
                  if settings["activation_bits"] else ""), "",
              "| model | perplexity | Δppl % ± se | KL to fp ± se |", "|---|---:|---:|---:|"]
     for name, key in (("fp teacher", "fp"), ("RTN (before training)", "rtn"), (f"{settings['arm']} (trained)", "trained")):
