@@ -810,7 +810,7 @@ def markdown(results: dict, command: str) -> str:
         "named above; "
         "the second stage only on one cell; ~16K fit tokens (pooled over 3 layers per group so that 2048-word codebooks "
         "still get >= 64 rows per word); fit rows scaled with the codebook (64 per word, at least 65536) instead of 131072 "
-        "for every size; iterations capped at the maximum below.",
+        "for every size; iterations capped (see Fit).",
         "",
         "## Seed cell: both seeds and the spread",
         "",
