@@ -70,13 +70,15 @@ def fitted_maps(producer, consumer, ids: torch.Tensor, windows: int, modes: set[
     return maps, curves
 
 
-def knowledge_base(plan, maps, bits: int, identities, code_format: str = "flat") -> SCDKnowledgeBase:
-    """The plan's knowledge base; ``whitened`` re-codes it at the bytes of its flat ``bits``-bit codes."""
+def knowledge_base(plan, maps, bits: int, identities, code_format: str = "flat",
+                   fitting: dict | None = None) -> SCDKnowledgeBase:
+    """The plan's knowledge base; ``whitened`` re-codes it at the bytes of its flat ``bits``-bit codes. ``fitting``
+    records where its statistics came from (saved with it)."""
     layers = {layer.index for layer in plan}
     kb = SCDKnowledgeBase(plan, {i: maps["keys"][i] for i in layers}, {i: maps["values"][i] for i in layers},
                           {i: maps["inputs"][i] for i in layers} if "inputs" in maps else {}, bits, EXACT_TOKENS,
-                          *identities, residuals={i: maps["residuals"][i] for i in layers} if "residuals" in maps
-                          else {})
+                          *identities, fitting or {}, residuals={i: maps["residuals"][i] for i in layers}
+                          if "residuals" in maps else {})
     if code_format == "whitened" and bits < 16:
         kb.plan = whiten_plan(kb.plan, kb, bits, False)
     return kb
@@ -149,7 +151,10 @@ def main() -> None:
         for tau in args.taus:
             for bits in args.bits:
                 kb = knowledge_base(plan_for(tau, patches, curves[key]), maps[key], bits, identities,
-                                    args.code_format)
+                                    args.code_format, {"text": {"description": calibration.description},
+                                                       "settings": {"patch_mode": mode, "tau": tau, "plan": spec,
+                                                                    "fit_windows": args.fit_windows,
+                                                                    "window_tokens": 512}})
                 name = f"{spec} tau={tau:g} {bits}-bit"
                 if args.save_knowledge_bases is not None:
                     kb.save(args.save_knowledge_bases / name.replace(" ", "_").replace(":", "-").replace("=", ""))

@@ -560,8 +560,10 @@ def run_scd_bench(producer_loaded, consumer_loaded, kb: SCDKnowledgeBase, kvtc_k
 
 
 def _plan_summary(kb: SCDKnowledgeBase) -> dict:
+    modes = sorted({layer.patch_mode for layer in kb.plan if layer.kind == "patch"})
     return {"save_id": kb.save_id, "plan_patch_layers": kb.patch_layers,
-            "patch_mode": (kb.fitting.get("settings") or {}).get("patch_mode", "project"),
+            # what the plan does, not what a fit was asked for (a plan built without a fit has no settings)
+            "patch_mode": "+".join(modes) if modes else "none",
             "recompute_blocks": [[layer.index, layer.depth] for layer in kb.plan if layer.recomputes],
             "code_bits": kb.code_bits, "bytes_per_coded_token": kb.bytes_per_token(), "fit_kl": kb.fitting.get("kl"),
             "fit_budget_kl": kb.fitting.get("budget_kl")}
@@ -612,7 +614,8 @@ def scd_markdown(results: dict) -> str:
         blocks = ", ".join(f"{first}..{first + depth - 1}" for first, depth in summary.get("recompute_blocks", []))
         lines.append(f"- {name}: Patch layers {summary.get('plan_patch_layers')} ({summary.get('patch_mode')}"
                      f"{'; recomputed layers ' + blocks if blocks else ''}), {summary.get('code_bits')}-bit codes, "
-                     f"fit KL {summary.get('fit_kl') or float('nan'):.4f} (budget {summary.get('fit_budget_kl')})")
+                     + (f"fit KL {summary['fit_kl']:.4f} (budget {summary.get('fit_budget_kl')})" if summary.get("fit_kl")
+                      is not None else f"a fixed plan, no budget search ({summary.get('built_by', 'no fit')})"))
     lines += ["", "Cost, measured on this machine (median of repeats, seconds):", "",
               "| tokens | oracle prefill | producer prefill | SCD encode | SCD rebuild | KIVI dequant | first step | "
               "GPU-class oracle prefill (modelled) |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
