@@ -3,8 +3,10 @@
 Per setting (``WxAy``: weight bits, activation bits at the blocks' linear inputs, 16 = floating point) the runs are
 the float teacher and RTN (measured inside every run, before its training) and one trained student per arm:
 next-token cross-entropy QAT (no teacher), logit-only KD-QAT, KD-QAT with the feature term against the raw teacher,
-and SQuaT. SQuaT and the raw-teacher ablation run with every seed given; the comparison between them is paired per
-evaluation window. Results are written after every run, so a long CPU run can be committed as it goes.
+the feature term alone on SQuaT's target (feature-only) and SQuaT. SQuaT and the raw-teacher ablation run with every
+seed given; the comparison between them is paired per evaluation window, per seed and over seeds. Every run keeps
+the mechanism the trainer logs per distilled layer (activation step drift, clipped fraction, feature floor, feature
+term). Results are written after every run, so a long CPU run can be committed as it goes.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import json
 import math
 import re
 import statistics
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
-from ..training.run import ARMS, SQuaTRunSettings, run_squat
+from ..training.run import BENCH_ARMS, SQuaTRunSettings, run_squat
 
 PAIRED_ARMS = ("squat", "raw-teacher-feature")
-ARM_ORDER = ("cross-entropy", "logit-kd", "raw-teacher-feature", "squat")
+ARM_ORDER = ("cross-entropy", "logit-kd", "feature-only", "raw-teacher-feature", "squat")
+# the logged terms kept per run (per distilled layer i: squat_layer{i}_<name>), in the order the tables show them
+MECHANISM = ("step_drift", "step_drift_abs", "clip_fraction", "feature_floor", "feature")
 # what a run's own key says; every other setting must match across the runs of one results file
 PER_RUN_SETTINGS = ("weight_bits", "activation_bits", "arm", "seed")
 
@@ -46,9 +50,9 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
                     progress: bool = True) -> dict:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    unknown = sorted(set(arms) - set(ARMS))
+    unknown = sorted(set(arms) - set(BENCH_ARMS))
     if unknown:
-        raise ValueError(f"Unknown arm(s) {unknown}; choose from {sorted(ARMS)}.")
+        raise ValueError(f"Unknown arm(s) {unknown}; choose from {sorted(BENCH_ARMS)}.")
     results = {"train_text": train_description, "eval_text": eval_description, "base_settings": vars(base).copy(),
                "runs": {}}
     path = out / "squat.json"
@@ -70,22 +74,51 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
                 results["runs"][key] = {name: report[name] for name in
                                         ("settings", "tokens_seen", "train_seconds", "bits_per_weight", "fp", "rtn",
                                          "trained")}
+                results["runs"][key]["mechanism"] = mechanism_series(report["log_history"])
                 path.write_text(json.dumps(results, indent=1))
     results["comparisons"] = comparisons(results["runs"])
+    results["over_seeds"] = over_seeds(results["runs"])
     path.write_text(json.dumps(results, indent=1))
     (out / "squat.md").write_text(squat_markdown(results))
     if results["runs"]:
         squat_plot(results, out / "squat.png")
+        if any(run.get("mechanism") for run in results["runs"].values()):
+            mechanism_plot(results, out / "squat_mechanism.png")
     return results
+
+
+def mechanism_series(log_history: list[dict]) -> dict:
+    """``{logged name: [[step, value], ...]}`` of the training logs' SQuaT terms: the loss terms (``squat_kd``,
+    ``squat_feature``, ``squat_feature_floor``, ``squat_ce``) and, per distilled layer, ``squat_layer{i}_*``."""
+    series: dict[str, list] = {}
+    for entry in log_history:
+        if "loss" not in entry:
+            continue
+        for name, value in entry.items():
+            if name.startswith("squat_"):
+                series.setdefault(name, []).append([entry["step"], float(value)])
+    return series
+
+
+def mechanism_summary(mechanism: dict) -> dict:
+    """Per distilled layer: ``{name: (first logged, last logged)}`` of every quantity in MECHANISM."""
+    layers: dict[int, dict] = {}
+    for name, points in mechanism.items():
+        match = re.fullmatch(r"squat_layer(\d+)_(\w+)", name)
+        if match and match.group(2) in MECHANISM and points:
+            layers.setdefault(int(match.group(1)), {})[match.group(2)] = (points[0][1], points[-1][1])
+    return dict(sorted(layers.items()))
 
 
 def check_same_settings(runs: dict, base: SQuaTRunSettings, path: Path) -> None:
     """Refuse to continue a results file whose runs were trained with other steps, data or learning rates: their rows
     would be compared as if they were equal."""
-    wanted = {name: value for name, value in vars(base).items() if name not in PER_RUN_SETTINGS}
+    wanted = {name: value for name, value in json.loads(json.dumps(vars(base))).items() if name not in PER_RUN_SETTINGS}
+    # a setting a results file predates had its default then
+    defaults = json.loads(json.dumps({field.name: field.default for field in fields(SQuaTRunSettings)}))
     for key, run in runs.items():
-        differing = {name: (run["settings"].get(name), value) for name, value in wanted.items()
-                     if run["settings"].get(name) != value}
+        differing = {name: (run["settings"].get(name, defaults[name]), value) for name, value in wanted.items()
+                     if run["settings"].get(name, defaults[name]) != value}
         if differing:
             described = ", ".join(f"{name}: {old!r} there, {new!r} now" for name, (old, new) in differing.items())
             raise ValueError(f"{path} holds run {key} made with other settings ({described}). Pass the same "
@@ -93,6 +126,8 @@ def check_same_settings(runs: dict, base: SQuaTRunSettings, path: Path) -> None:
 
 
 def comparisons(runs: dict) -> dict:
+    """SQuaT minus raw-teacher-feature per setting and seed (``"W4A2/seed0"``), paired per evaluation window: the NLL
+    and, where the runs kept it, the KL to the teacher (``kl_*``)."""
     found = {}
     for key, run in runs.items():
         setting, arm, seed = key.split("/")
@@ -101,6 +136,47 @@ def comparisons(runs: dict) -> dict:
         other = runs.get(f"{setting}/raw-teacher-feature/{seed}")
         if other is not None:
             found[f"{setting}/{seed}"] = paired_difference(run["trained"]["window_nll"], other["trained"]["window_nll"])
+            if "window_kl" in run["trained"] and "window_kl" in other["trained"]:
+                kl = paired_difference(run["trained"]["window_kl"], other["trained"]["window_kl"])
+                found[f"{setting}/{seed}"].update({"kl_mean_difference": kl["mean_nll_difference"], "kl_se": kl["se"],
+                                                   "kl_beyond_noise": kl["beyond_noise"]})
+    return found
+
+
+def over_seeds(runs: dict) -> dict:
+    """Per setting, SQuaT minus raw-teacher-feature over every seed both ran: per evaluation window the difference
+    of each seed (NLL and, where kept, KL), the mean over seeds per window, the mean of those with its standard
+    error over windows, the standard error over seeds of the seeds' means, and whether every seed has the sign of
+    the mean and lies beyond 2 se of its own windows."""
+    found = {}
+    settings = dict.fromkeys(key.split("/")[0] for key in runs)
+    for setting in settings:
+        seeds = [key.split("/")[2] for key in runs if key.startswith(f"{setting}/squat/")
+                 and f"{setting}/raw-teacher-feature/{key.split('/')[2]}" in runs]
+        if not seeds:
+            continue
+        row = {"seeds": seeds}
+        for metric in ("nll", "kl"):
+            name = f"window_{metric}"
+            pairs = [(runs[f"{setting}/squat/{seed}"]["trained"].get(name),
+                      runs[f"{setting}/raw-teacher-feature/{seed}"]["trained"].get(name)) for seed in seeds]
+            if any(a is None or b is None for a, b in pairs):
+                continue
+            per_seed = [[a - b for a, b in zip(first, second)] for first, second in pairs]
+            per_window = [statistics.mean(values) for values in zip(*per_seed)]
+            pooled = paired_difference(per_window, [0.0] * len(per_window))
+            seed_means = [statistics.mean(values) for values in per_seed]
+            seed_ses = [paired_difference(values, [0.0] * len(values))["se"] for values in per_seed]
+            mean = pooled["mean_nll_difference"]
+            row[metric] = {
+                "per_seed_window_difference": dict(zip(seeds, per_seed)), "per_window_mean": per_window,
+                "mean_difference": mean, "se_over_windows": pooled["se"], "beyond_noise": pooled["beyond_noise"],
+                "seed_means": dict(zip(seeds, seed_means)),
+                "se_over_seeds": statistics.stdev(seed_means) / math.sqrt(len(seeds)) if len(seeds) > 1 else None,
+                "consistent": bool(all(math.copysign(1, m) == math.copysign(1, mean) and abs(m) > 2 * se
+                                       for m, se in zip(seed_means, seed_ses))),
+            }
+        found[setting] = row
     return found
 
 
@@ -157,6 +233,33 @@ def squat_plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def mechanism_plot(results: dict, path: Path) -> None:
+    """Per distilled layer, the activation step's drift and the feature floor over training steps, one line per arm
+    and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for key, run in results["runs"].items():
+        for name, points in run.get("mechanism", {}).items():
+            match = re.fullmatch(r"squat_layer(\d+)_(step_drift|feature_floor|feature)", name)
+            if not match or not points:
+                continue
+            axis = axes[("step_drift", "feature_floor", "feature").index(match.group(2))]
+            axis.plot(*zip(*points), label=f"{key} L{match.group(1)}", lw=1)
+    for axis, title in zip(axes, ("activation step drift log(s_t/s_0)", "feature floor E|Q_s(f_t)-f_t|^2/E|f_t|^2",
+                                  "feature term (vs the arm's target)")):
+        axis.set_title(title, fontsize=9)
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+    axes[0].legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def activation_scope(base: dict) -> str:
     """Where the activation steps are and how fast they learn, when not the defaults (every layer, the quantizer
     learning rate)."""
@@ -165,7 +268,52 @@ def activation_scope(base: dict) -> str:
         text += " at the inputs of " + ", ".join(f"`{pattern}`" for pattern in base["activation_modules"]) + " only"
     if base.get("activation_step_learning_rate") is not None:
         text += f", learning rate {base['activation_step_learning_rate']:g}"
+    if base.get("distillation_layers") is not None:
+        text += f"; distilled feature at decoder layer(s) {', '.join(map(str, base['distillation_layers']))}"
     return text
+
+
+def mechanism_markdown(results: dict) -> list[str]:
+    """Per run and distilled layer, the logged mechanism: first and last logged value of each quantity."""
+    rows = []
+    for key, run in results["runs"].items():
+        setting, arm, seed = key.split("/")
+        for layer, values in mechanism_summary(run.get("mechanism", {})).items():
+            cells = [f"{values[name][0]:.4g} → {values[name][1]:.4g}" if name in values else "–" for name in MECHANISM]
+            rows.append(f"| {setting} | {arm} | {seed.removeprefix('seed')} | {layer} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["", "The mechanism the trainer logged per distilled layer (first → last training log; each log is the mean "
+            "since the previous one): drift `log(s_t/s_0)` of the activation step, the same in absolute value (per-"
+            "channel steps), fraction of the teacher's feature values outside the student's range, the bound "
+            "`E‖Q_s(f_t) − f_t‖² / E‖f_t‖²` (feature floor), and the layer's feature term (its value against the "
+            "arm's own target; in the loss only for arms with a feature term).", "",
+            "| setting | arm | seed | layer | step drift | abs drift | clip fraction | feature floor | feature term |",
+            "|---|---|---:|---:|---|---|---|---|---|", *rows]
+
+
+def over_seeds_markdown(results: dict) -> list[str]:
+    lines = []
+    for setting, row in results.get("over_seeds", {}).items():
+        for metric, label in (("nll", "NLL (nats/token)"), ("kl", "KL to the teacher (nats/token)")):
+            if metric not in row:
+                continue
+            data = row[metric]
+            seeds = row["seeds"]
+            lines += ["", f"{setting}: SQuaT minus raw-teacher-feature, per-window {label}, paired per evaluation "
+                      f"window over seeds {', '.join(s.removeprefix('seed') for s in seeds)}:", "",
+                      "| window | " + " | ".join(f"seed {s.removeprefix('seed')}" for s in seeds) + " | mean over seeds |",
+                      "|---:|" + "---:|" * (len(seeds) + 1)]
+            for index, mean in enumerate(data["per_window_mean"]):
+                lines.append(f"| {index} | " + " | ".join(f"{data['per_seed_window_difference'][s][index]:+.4f}"
+                                                           for s in seeds) + f" | {mean:+.4f} |")
+            seed_se = data["se_over_seeds"]
+            lines += ["", f"Mean {data['mean_difference']:+.4f} ± {data['se_over_windows']:.4f} (se over windows of "
+                      f"the seed-mean difference; beyond 2 se: {data['beyond_noise']}); seed means "
+                      + ", ".join(f"{m:+.4f}" for m in data["seed_means"].values())
+                      + (f", se over seeds {seed_se:.4f}" if seed_se is not None else "")
+                      + f"; every seed beyond 2 se of its windows with the mean's sign: {data['consistent']}."]
+    return lines
 
 
 def squat_markdown(results: dict) -> str:
@@ -197,9 +345,15 @@ def squat_markdown(results: dict) -> str:
                      f"{bits['all_parameters']:.2f} | {row['perplexity']:.3f} | {row['delta_ppl_pct']:+.2f} ± "
                      f"{row['delta_ppl_pct_se'] or 0:.2f} | {row['kl_mean']:.4f} | {run['settings']['steps']} | "
                      f"{run['tokens_seen']:,} | {run['train_seconds']:.0f} |")
+    lines += mechanism_markdown(results)
     if results.get("comparisons"):
-        lines += ["", "SQuaT minus the raw-teacher-feature ablation, per-window NLL (nats), paired:", "",
-                  "| setting / seed | mean difference | se | beyond 2 se |", "|---|---:|---:|---|"]
+        lines += ["", "SQuaT minus the raw-teacher-feature ablation per seed, paired per evaluation window (nats/token):",
+                  "", "| setting / seed | NLL difference | se | beyond 2 se | KL difference | se | beyond 2 se |",
+                  "|---|---:|---:|---|---:|---:|---|"]
         for key, row in results["comparisons"].items():
-            lines.append(f"| {key} | {row['mean_nll_difference']:+.4f} | {row['se']:.4f} | {row['beyond_noise']} |")
+            kl = (f"{row['kl_mean_difference']:+.4f} | {row['kl_se']:.4f} | {row['kl_beyond_noise']}"
+                  if "kl_mean_difference" in row else "– | – | –")
+            lines.append(f"| {key} | {row['mean_nll_difference']:+.4f} | {row['se']:.4f} | {row['beyond_noise']} | "
+                         f"{kl} |")
+    lines += over_seeds_markdown(results)
     return "\n".join(lines) + "\n"

@@ -27,6 +27,9 @@ ARMS = {
     "logit-kd": dict(feature_loss=False),
     "cross-entropy": dict(kd_loss=False, feature_loss=False, use_labels=True),
 }
+# Objectives `bench squat` runs besides ARMS (which `hf-kvcodecs squat --arm` mirrors): the feature term alone, on
+# SQuaT's target, with no logit term.
+BENCH_ARMS = {**ARMS, "feature-only": dict(kd_loss=False)}
 
 
 @dataclass
@@ -36,6 +39,8 @@ class SQuaTRunSettings:
     activation_granularity: str = "channel"
     # KVCodecsConfig.activation_modules: the layers whose inputs are quantized (None: every quantized layer)
     activation_modules: list[str] | None = None
+    # SQuaTConfig.distillation_layers: decoder layers whose feature is distilled (None: its default, the last)
+    distillation_layers: list[int] | None = None
     group_size: int = 64
     symmetric: bool = False
     weight_init: str = "minmax"
@@ -94,7 +99,7 @@ def evaluation_row(nlls, kls, reference_nlls) -> dict:
     return {"perplexity": metrics["ppl"], "delta_ppl_pct": metrics["delta_ppl_pct"],
             "delta_ppl_pct_se": metrics["delta_ppl_pct_se"], "kl_mean": float(window_kl.mean()),
             "kl_se": float(window_kl.std() / math.sqrt(len(kls))) if len(kls) > 1 else None,
-            "window_nll": [float(n.mean()) for n in nlls]}
+            "window_nll": [float(n.mean()) for n in nlls], "window_kl": window_kl.tolist()}
 
 
 def bits_per_weight(model) -> dict:
@@ -118,8 +123,8 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
     report."""
     from transformers import TrainingArguments
 
-    if settings.arm not in ARMS:
-        raise ValueError(f"arm must be one of {sorted(ARMS)}, got {settings.arm!r}.")
+    if settings.arm not in BENCH_ARMS:
+        raise ValueError(f"arm must be one of {sorted(BENCH_ARMS)}, got {settings.arm!r}.")
     started = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -134,7 +139,9 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
     student = quantize_model(copy.deepcopy(teacher), config)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
-    objective = dict(ARMS[settings.arm])
+    objective = dict(BENCH_ARMS[settings.arm])
+    if settings.distillation_layers is not None:
+        objective["distillation_layers"] = tuple(settings.distillation_layers)
     if settings.activation_bits is None and objective.get("feature_loss", True):
         # no student lattice at the distillation point: Q_s is the identity and SQuaT is feature KD on the raw teacher
         objective["quantize_teacher_features"] = False
@@ -196,7 +203,9 @@ def report_markdown(report: dict) -> str:
                     if settings.get("activation_modules") else "every quantized layer's input")
                  + (f", learning rate {settings['activation_step_learning_rate']:g}"
                     if settings.get("activation_step_learning_rate") is not None else "") + "."
-                 if settings["activation_bits"] else ""), "",
+                 if settings["activation_bits"] else "")
+             + (f" Distilled features: decoder layers {settings['distillation_layers']}."
+                if settings.get("distillation_layers") is not None else ""), "",
              "| model | perplexity | Δppl % ± se | KL to fp ± se |", "|---|---:|---:|---:|"]
     for name, key in (("fp teacher", "fp"), ("RTN (before training)", "rtn"), (f"{settings['arm']} (trained)", "trained")):
         row = report[key]
