@@ -178,3 +178,25 @@ def test_patch_trials_respect_blocks_and_the_compute_cap(producer, stream):
     overlapping = SCDFitSettings(patch_layers=(1, 2), patch_depths=(3, 1))
     with pytest.raises(ValueError, match="do not make a valid plan"):  # refused before any statistics
         fit_knowledge_base(producer, producer, stream, settings=overlapping, progress=False)
+
+
+def test_recompute_block_of_an_unpadded_prompt_runs_as_a_prefill_with_no_mask_tensor(producer, stream, saved):
+    """The block runs over the exact tokens and the coded ones from an empty cache, so a prompt without padding needs
+    no explicit mask and attention takes its causal path (a mask tensor over a cached prefix is much slower)."""
+    producer.set_attn_implementation("sdpa")
+    kb = saved(full_rank_knowledge_base(producer, producer, stream, window_tokens=128, windows=10, patch_layers=(1,),
+                                        patch_depths=(2,), code_bits=32))
+    assert kb.exact_tokens > 0
+    masks = []
+    hook = producer.model.layers[1].register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")), with_kwargs=True)
+    prompt = stream[200:281][None]
+    try:
+        payload = encode(producer, prompt[:, :-1], kb)
+        masks.clear()
+        cache = SCDTransferCache.from_payload(payload, producer, kb, input_ids=prompt)
+    finally:
+        hook.remove()
+    # the exact tokens' own prefill, then the block over all 80 tokens
+    assert len(masks) == 2 and masks[1] is None, masks
+    assert cache.get_seq_length() == 80
