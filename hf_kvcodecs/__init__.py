@@ -19,5 +19,17 @@ register_cache_implementation("scd", SCDTransferCache)
 register_code_attention()
 _register_quantization()
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "SCDKnowledgeBase", "SCDTransferCache", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
+_LAZY = {"SQuaTConfig": "training", "SQuaTTrainer": "training"}  # Trainer pulls in accelerate: only on first use
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "SCDKnowledgeBase", "SCDTransferCache", "SQuaTConfig",
+           "SQuaTTrainer", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
            "register_cache_implementation", "__version__"]

@@ -117,3 +117,21 @@ def test_importing_the_package_registers_every_kv_artifact():
     script = "import hf_kvcodecs.quantization.kv_artifacts as k; print(sorted(k.KV_ARTIFACTS))"
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip() == "['gsrq', 'scd']"
+
+
+def test_squat_trainer_is_exported_at_the_top_level_without_importing_it_with_the_package():
+    import subprocess
+    import sys
+
+    script = ("import sys, hf_kvcodecs; before = 'hf_kvcodecs.training' in sys.modules; "
+              "from hf_kvcodecs import SQuaTTrainer, SQuaTConfig; from hf_kvcodecs.training import trainer; "
+              "print(before, SQuaTTrainer is trainer.SQuaTTrainer, SQuaTConfig is trainer.SQuaTConfig)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False True True"
+    assert {"SQuaTTrainer", "SQuaTConfig"} <= set(hf_kvcodecs.__all__)
+    try:
+        hf_kvcodecs.NoSuchName  # noqa: B018
+    except AttributeError as error:
+        assert "NoSuchName" in str(error)
+    else:
+        raise AssertionError("an unknown attribute must raise AttributeError")
