@@ -139,6 +139,35 @@ def test_saved_consumer_loads_back_as_the_same_model(fitted, texts, tmp_path):
         models.load_model(str(out))
 
 
+def test_full_fine_tune_trains_every_weight_and_saves_a_model_directory(tiny_base_dir, texts, tmp_path):
+    loaded = models.load_model(str(tiny_base_dir))
+    train, licence = texts
+    before = {name: parameter.detach().clone() for name, parameter in loaded.model.named_parameters()}
+    out = tmp_path / "expert"
+    report = make_consumer(loaded, train, settings=ConsumerFitSettings(method="full", **TINY_SETTINGS), out=out,
+                           eval_corpora={"licence": licence}, progress=False)
+    training = report["training"]
+    assert training["trainable_parameters"] == training["base_parameters"] == sum(
+        parameter.numel() for parameter in loaded.model.parameters())
+    assert training["loss_last"] < training["loss_first"] - 0.5
+    assert report["perplexity"]["fine-tuning text"]["delta_ppl_pct"] < -10
+    for name, parameter in loaded.model.named_parameters():  # the producer is not touched
+        assert torch.equal(parameter, before[name]), name
+    assert not (out / "adapter_config.json").exists() and (out / "tokenizer.json").is_file()
+    assert "full fine-tune" in (out / "report.md").read_text()
+    reloaded = models.load_model(str(out))
+    assert isinstance(reloaded.model, LlamaForCausalLM) and not hasattr(reloaded.model, "peft_config")
+    ids = tokenize_corpus(loaded.tokenizer, licence)[:96]
+    assert reloaded.tokenizer(licence.text[:200])["input_ids"] == loaded.tokenizer(licence.text[:200])["input_ids"]
+    # every decoder layer moved, not just the head
+    changed = {name.split(".")[2] for name, parameter in reloaded.model.named_parameters()
+               if name.startswith("model.layers.") and not torch.allclose(parameter, before[name])}
+    assert changed == {str(index) for index in range(loaded.model.config.num_hidden_layers)}
+    assert not torch.allclose(_logits(reloaded.model, ids), _logits(loaded.model, ids), atol=1e-3)
+    with pytest.raises(ValueError, match="method is 'qlora'; pick one of lora, full"):
+        ConsumerFitSettings(method="qlora")
+
+
 def test_bad_settings_and_short_texts_are_refused_before_training(fitted):
     loaded, _, _ = fitted
     with pytest.raises(ValueError, match="steps must be at least 1"):
@@ -194,6 +223,7 @@ def test_make_consumer_command(fitted, tmp_path, monkeypatch, capsys):
     report = json.loads((out / "report.json").read_text())
     assert set(report["perplexity"]) == {text.PYTHON_SOURCE, text.CALIBRATION_DEFAULT, text.EVALUATION_DEFAULT}
     assert report["settings"]["lora_rank"] == 4 and report["settings"]["lora_alpha"] == 8
+    assert report["settings"]["method"] == "lora"
     assert f"| {text.PYTHON_SOURCE} |" in printed and "standard-library source" in report["train_text"]["description"]
 
 

@@ -1,5 +1,5 @@
-"""`hf-kvcodecs scd make-consumer`: fine-tune a LoRA consumer of a model (a real fine-tuned variant for SCD to transfer
-caches to), report how far it moved, and save the adapter."""
+"""`hf-kvcodecs scd make-consumer`: fine-tune a consumer of a model, with a LoRA adapter or every weight (a real
+fine-tuned variant for SCD to transfer caches to), report how far it moved, and save it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT
 # Mirrors of library values (the parser imports no torch-based module): text.PYTHON_SOURCE and the defaults of
 # scd.consumer.ConsumerFitSettings; tests/test_scd_consumer.py checks them against the library.
 CONSUMER_TEXT = "python-stdlib-source"
-CONSUMER_FIT = {"steps": 150, "sequence_tokens": 256, "batch_size": 4, "learning_rate": 2e-4, "lora_rank": 16,
+CONSUMER_FIT = {"method": "lora", "steps": 150, "sequence_tokens": 256, "batch_size": 4, "learning_rate": 2e-4, "lora_rank": 16,
                 "lora_alpha": 32, "seed": 0, "eval_windows": 32}
 # The texts the perplexity shift is measured on besides the fine-tuning text's held-out end: SCD's calibration text and
 # the evaluation text.
@@ -32,11 +32,15 @@ def _positive_float(value: str) -> float:
 
 def add_parser(scd_commands) -> None:
     make = add_command(scd_commands, "make-consumer",
-                       "fine-tune a LoRA consumer of a model on real text, report its perplexity shift, save the adapter")
+                       "fine-tune a consumer of a model on real text (a LoRA adapter, or every weight), report its "
+                       "perplexity shift, save it")
     add_model_arguments(make)
     make.add_argument("--text", nargs="+", default=None,
                       help="fine-tuning text: files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT "
                            f"(default: {CONSUMER_TEXT}); its last tenth is held out for the perplexity")
+    make.add_argument("--method", choices=("lora", "full"), default=CONSUMER_FIT["method"],
+                      help="lora: an adapter on every projection, saved as a few MB naming the base model; full: every "
+                           "weight trained, saved as a whole model directory (a fine-tune that moves the model further)")
     make.add_argument("--steps", type=positive_int, default=CONSUMER_FIT["steps"], help="optimizer steps")
     make.add_argument("--seq-len", type=positive_int, default=CONSUMER_FIT["sequence_tokens"],
                       help="tokens per training window")
@@ -62,7 +66,7 @@ def run(args) -> int:
     from ..scd.consumer import ConsumerFitSettings, check_consumer_directory, make_consumer, report_markdown
     from ..text import load_corpus
 
-    settings = ConsumerFitSettings(steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
+    settings = ConsumerFitSettings(method=args.method, steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
                                    learning_rate=args.lr, lora_rank=args.rank, lora_alpha=2 * args.rank,
                                    seed=args.seed, eval_windows=args.eval_windows)
     check_consumer_directory(args.out, overwrite=args.overwrite)  # before minutes of loading and fine-tuning

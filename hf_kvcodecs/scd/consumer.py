@@ -1,9 +1,12 @@
-"""A consumer for SCD: a fine-tuned variant of the producer model, made with a LoRA adapter on real text.
+"""A consumer for SCD: a fine-tuned variant of the producer model, made with a LoRA adapter or a full fine-tune on
+real text.
 
 SCD sends a producer's prefill state to a consumer that shares its tokenizer and shapes but not its weights. A LoRA
 adapter on every attention and MLP projection changes both the KV projections and the residual stream, so the
 consumer's caches differ from the producer's in the way a real fine-tune's do, while the pair stays cheap to make on
-a CPU and to store (the adapter is a few MB next to the base model it names).
+a CPU and to store (the adapter is a few MB next to the base model it names). A LoRA fine-tune of a CPU budget moves
+the model too little for some pairs (raw producer KV costs such a consumer a few percent); ``method="full"`` trains
+every weight and saves a whole model directory instead, as a real domain expert is shipped.
 
 :func:`make_consumer` fine-tunes, measures how far the fine-tune moved the model (perplexity of base and consumer on
 held-out windows of the fine-tuning text and of every evaluation text, paired per window), and saves the adapter, a
@@ -37,6 +40,7 @@ REPORT_MARKDOWN_FILE = "report.md"
 # Llama-family names of every attention and MLP projection: adapting only q/v (the common default) would leave the
 # residual stream, and with it every later layer's keys and values, closer to the base than a real fine-tune does.
 LLAMA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FIT_METHODS = ("lora", "full")
 
 
 @dataclass
@@ -49,6 +53,7 @@ class ConsumerFitSettings:
     """
 
     steps: int = 150
+    method: str = "lora"  # "lora": an adapter on target_modules; "full": every weight trained, a whole model saved
     sequence_tokens: int = 256
     batch_size: int = 4
     learning_rate: float = 2e-4
@@ -66,6 +71,8 @@ class ConsumerFitSettings:
 
     def __post_init__(self) -> None:
         self.target_modules = tuple(self.target_modules)
+        if self.method not in FIT_METHODS:
+            raise ValueError(f"ConsumerFitSettings.method is {self.method!r}; pick one of {', '.join(FIT_METHODS)}.")
         for name in ("steps", "sequence_tokens", "batch_size", "lora_rank", "eval_windows"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"ConsumerFitSettings.{name} must be at least 1, got {getattr(self, name)}.")
@@ -142,10 +149,19 @@ def _lora_model(model: torch.nn.Module, settings: ConsumerFitSettings):
                          f"(the default names Llama's: {', '.join(LLAMA_PROJECTIONS)}).") from error
 
 
+def _full_model(model: torch.nn.Module) -> torch.nn.Module:
+    # a copy, so the caller's model stays the untouched base (the producer)
+    copied = copy.deepcopy(model)
+    for parameter in copied.parameters():
+        parameter.requires_grad_(True)
+    return copied
+
+
 def fine_tune(model: torch.nn.Module, train_ids: torch.Tensor, settings: ConsumerFitSettings, *,
               progress: bool = True):
-    """LoRA fine-tune of a copy of ``model`` on windows of ``train_ids`` (next-token cross-entropy, AdamW): the
-    ``peft.PeftModel`` in eval mode, and the training log."""
+    """Fine-tune a copy of ``model`` on windows of ``train_ids`` (next-token cross-entropy, AdamW), with a LoRA
+    adapter or, for ``settings.method == "full"``, every weight: the model (a ``peft.PeftModel`` or a plain copy) in
+    eval mode, and the training log."""
     if type(model).__name__.startswith("PeftModel") or hasattr(model, "peft_config"):
         raise ValueError("The model already carries a peft adapter. Fine-tune a plain model: load an adapter with "
                          "load_model(directory, merge_adapter=True) to merge it first.")
@@ -158,15 +174,15 @@ def fine_tune(model: torch.nn.Module, train_ids: torch.Tensor, settings: Consume
     # restored after, so a run is reproducible and leaves the caller's random state as it was
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
-        peft_model = _lora_model(model, settings)
-        trainable = [parameter for parameter in peft_model.parameters() if parameter.requires_grad]
+        consumer_model = _full_model(model) if settings.method == "full" else _lora_model(model, settings)
+        trainable = [parameter for parameter in consumer_model.parameters() if parameter.requires_grad]
         optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, weight_decay=settings.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _learning_rate_factor(step, settings))
-        peft_model.train()
+        consumer_model.train()
         bar = tqdm(range(settings.steps), desc="fine-tuning the consumer", disable=not progress)
         for step in bar:
             ids = train_ids[starts[step][:, None] + offsets].to(device)
-            logits = peft_model(input_ids=ids, use_cache=False).logits[:, :-1]
+            logits = consumer_model(input_ids=ids, use_cache=False).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"The fine-tuning loss is {loss.item()} at step {step}; lower the learning "
@@ -179,7 +195,7 @@ def fine_tune(model: torch.nn.Module, train_ids: torch.Tensor, settings: Consume
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         bar.close()
-    peft_model.eval()
+    consumer_model.eval()
     seconds = time.perf_counter() - began
     head = max(1, min(10, len(losses) // 4))
     log = {
@@ -193,7 +209,7 @@ def fine_tune(model: torch.nn.Module, train_ids: torch.Tensor, settings: Consume
         "loss_last": sum(losses[-head:]) / head,
         "losses": losses,
     }
-    return peft_model, log
+    return consumer_model, log
 
 
 def perplexity_shift(base_model, consumer_model, texts: dict[str, torch.Tensor], settings: ConsumerFitSettings, *,
@@ -242,13 +258,13 @@ def fit_consumer(model: torch.nn.Module, train_ids: torch.Tensor, *, settings: C
     base_scores = {name: forward_nll(model, fixed_windows(token_ids, settings.eval_windows, settings.eval_window_tokens),
                                      progress=progress, description=f"base perplexity: {name}")
                    for name, token_ids in texts.items()}
-    peft_model, log = fine_tune(model, train_part, settings, progress=progress)
+    consumer_model, log = fine_tune(model, train_part, settings, progress=progress)
     log["held_out_tokens"] = int(held_out.numel())
-    rows = perplexity_shift(model, peft_model, texts, settings, progress=progress, base_scores=base_scores)
+    rows = perplexity_shift(model, consumer_model, texts, settings, progress=progress, base_scores=base_scores)
     rows[train_name]["role"] = f"fine-tuning domain, held-out last {100 * settings.holdout_fraction:g} % of its tokens"
     for name in eval_ids:
         rows[name]["role"] = "evaluation"
-    return peft_model, {"training": log, "perplexity": rows}
+    return consumer_model, {"training": log, "perplexity": rows}
 
 
 def base_model_reference(loaded: LoadedModel) -> str:
@@ -279,7 +295,7 @@ def make_consumer(loaded: LoadedModel, train_corpus: Corpus, *, settings: Consum
             del eval_corpora[name]
     train_ids = tokenize_corpus(loaded.tokenizer, train_corpus)
     eval_ids = {name: tokenize_corpus(loaded.tokenizer, corpus) for name, corpus in eval_corpora.items()}
-    peft_model, fit = fit_consumer(loaded.model, train_ids, settings=settings, eval_ids=eval_ids,
+    consumer_model, fit = fit_consumer(loaded.model, train_ids, settings=settings, eval_ids=eval_ids,
                                    train_name=train_name, progress=progress)
     texts = {train_name: {**train_corpus.to_dict(), "tokens": int(train_ids.numel())},
              **{name: {**corpus.to_dict(), "tokens": int(eval_ids[name].numel())} for name, corpus in eval_corpora.items()}}
@@ -298,7 +314,7 @@ def make_consumer(loaded: LoadedModel, train_corpus: Corpus, *, settings: Consum
         "threads": torch.get_num_threads(),
         "seconds_total": time.perf_counter() - began,
     }
-    save_consumer(peft_model, out, report, overwrite=overwrite)
+    save_consumer(consumer_model, out, report, overwrite=overwrite, tokenizer=loaded.tokenizer)
     return report
 
 
@@ -318,12 +334,19 @@ def consumer_sidecar(report: dict) -> dict:
     }
 
 
-def save_consumer(peft_model, out: str | Path, report: dict, *, overwrite: bool = False) -> None:
-    """Write the adapter (``save_pretrained``), the sidecar, ``report.json`` and ``report.md`` into ``out``."""
+def save_consumer(consumer_model, out: str | Path, report: dict, *, overwrite: bool = False, tokenizer=None) -> None:
+    """Write the adapter or, for a full fine-tune, the whole model and its tokenizer (``save_pretrained``: then
+    ``load_model(out)`` loads it like any local model), the sidecar, ``report.json`` and ``report.md`` into ``out``."""
     out = Path(out)
+    full = report["settings"].get("method") == "full"
+    if full and tokenizer is None:
+        raise ValueError("A fully fine-tuned consumer is saved as a model directory with its tokenizer: pass "
+                         "tokenizer=.")
     check_consumer_directory(out, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    peft_model.save_pretrained(str(out))
+    consumer_model.save_pretrained(str(out))
+    if full:
+        tokenizer.save_pretrained(str(out))
     (out / CONSUMER_SIDECAR_FILE).write_text(json.dumps(consumer_sidecar(report), indent=2) + "\n")
     (out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     (out / REPORT_MARKDOWN_FILE).write_text(report_markdown(report))
@@ -338,15 +361,19 @@ def _percent(value: float | None, standard_error: float | None) -> str:
 def report_markdown(report: dict) -> str:
     """The report as markdown: what was fine-tuned on what, and the perplexity shift table."""
     training, settings = report["training"], report["settings"]
+    full = settings.get("method") == "full"
+    what = (f"- weights: every weight trained ({training['trainable_parameters']} parameters), saved as a whole model"
+            if full else
+            f"- adapter: LoRA rank {settings['lora_rank']}, alpha {settings['lora_alpha']}, dropout "
+            f"{settings['lora_dropout']} on {', '.join(settings['target_modules'])} "
+            f"({training['trainable_parameters']} trainable parameters over {training['base_parameters']} frozen)")
     lines = [
-        "# SCD consumer: LoRA fine-tune of the producer",
+        f"# SCD consumer: {'full' if full else 'LoRA'} fine-tune of the producer",
         "",
         f"- base model (producer): {report['base_model']['description']}",
         f"- fine-tuning text: {report['train_text']['description']} ({report['train_text']['tokens']} tokens, "
         f"sha256 {report['train_text']['sha256'][:12]}...)",
-        f"- adapter: LoRA rank {settings['lora_rank']}, alpha {settings['lora_alpha']}, dropout "
-        f"{settings['lora_dropout']} on {', '.join(settings['target_modules'])} "
-        f"({training['trainable_parameters']} trainable parameters over {training['base_parameters']} frozen)",
+        what,
         f"- training: {training['steps']} steps of {settings['batch_size']} x {settings['sequence_tokens']} tokens "
         f"({training['tokens_seen']} tokens seen), AdamW lr {settings['learning_rate']:g} (linear warmup "
         f"{100 * settings['warmup_fraction']:g} %, linear decay), seed {settings['seed']}; {training['seconds']:.0f} s "
