@@ -10,8 +10,10 @@ from transformers import Cache, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicLayer
 
 from hf_kvcodecs.bench.harness import (
+    BASELINE_IDS,
     FULL_PRECISION,
     TRANSFORMERS_QUANTIZED,
+    TURBOQUANT,
     CacheMethod,
     _greedy_agreement,
     _passkey_cases,
@@ -98,7 +100,9 @@ def eval_ids():
 @pytest.fixture(scope="module")
 def results(model, eval_ids):
     pytest.importorskip("optimum.quanto")
-    methods = shipped_baselines(model) + [
+    # one TurboQuant row stands for its family: the others differ only in bits (tests/test_turboquant.py)
+    methods = shipped_baselines(model, only=[key for key in BASELINE_IDS if not key.startswith("turboquant")]
+                                + ["turboquant-2"]) + [
         CacheMethod("identical DynamicCache", lambda m: DynamicCache(config=m.config), "test"),
         CacheMethod("noisy keys", lambda m: Cache(layer_class_to_replicate=NoisyKeysLayer), "test", nominal_bits=32.0),
         CacheMethod("broken", failing_cache, "test"),
@@ -248,6 +252,22 @@ def test_quantized_cache_bits_per_element(results):
     assert collapsed["memory"]["after_prefill"]["bits_per_element"] == pytest.approx(3.0)
     expected = (3.0 * CONTEXT + 32.0 * CONTINUATION) / (CONTEXT + CONTINUATION)
     assert collapsed["memory"]["after_decode"]["bits_per_element"] == pytest.approx(expected)
+
+
+def test_turboquant_bits_per_element_count_codes_norms_and_window(results):
+    from hf_kvcodecs.codecs.turboquant import held_bits_per_element, rotation_bytes
+
+    turboquant = by_name(results, BASELINE_IDS["turboquant-2"])
+    assert turboquant["family"] == TURBOQUANT and turboquant["extra"]["calibration"] == "none"
+    window = turboquant["extra"]["residual_length"]
+    coded = held_bits_per_element(2, HEAD_DIM)  # 2-bit codes of 16 coordinates + a 16-bit norm: 3 bits per element
+    assert coded == 3.0
+    for point, tokens in (("after_prefill", CONTEXT), ("after_decode", CONTEXT + CONTINUATION)):
+        expected = (coded * (tokens - window) + 32.0 * window) / tokens  # the window is fp32, like the model
+        assert turboquant["memory"][point]["bits_per_element"] == pytest.approx(expected)
+    # the rotations are one table per model, shared by every cache of the method: reported apart
+    assert turboquant["memory"]["shared_bytes"] == rotation_bytes(LAYERS, KV_HEADS, HEAD_DIM)
+    assert 0 < turboquant["perplexity"]["kl_mean"] < by_name(results, "quanto 2-bit (per-channel keys)")["perplexity"]["kl_mean"]
 
 
 def test_skipped_and_failed_methods_are_reported_not_run(results):

@@ -23,6 +23,23 @@ def test_baselines_can_be_chosen_and_the_reference_always_runs(tiny_model):
     assert [m.name for m in shipped_baselines(tiny_model, only=[])] == [every[0].name]
     with pytest.raises(ValueError, match="quanto-3.*choose from"):
         shipped_baselines(tiny_model, only=["quanto-3"])
+    turboquant = shipped_baselines(tiny_model, only=["turboquant-2.5", "turboquant-3-protected"])[1:]
+    assert [m.name for m in turboquant] == ["turboquant 2.5-bit (rotation + Lloyd-Max)",
+                                            "turboquant 3-bit (rotation + Lloyd-Max, first and last layer exact)"]
+    assert [(m.family, m.nominal_bits, m.extra["protected_layers"]) for m in turboquant] == [
+        ("turboquant", 2.5, 0), ("turboquant", 3.0, 1)]
+    assert all(m.skip_reason is None and m.prefill_multiple == 1 for m in turboquant)
+
+
+def test_turboquant_baselines_through_the_cli(runs):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines turboquant-2 turboquant-3.5 turboquant-2-protected "
+                          "--learners l2 --no-layout-variants")
+    assert rows == ["fp32 DynamicCache", "turboquant 2-bit (rotation + Lloyd-Max)",
+                    "turboquant 3.5-bit (rotation + Lloyd-Max)",
+                    "turboquant 2-bit (rotation + Lloyd-Max, first and last layer exact)"] + [
+        f"same codec, l2 k-means codebooks {bits}-bit" for bits in (1, 2)]
+    assert "--baselines turboquant-2 turboquant-3.5 turboquant-2-protected" in recorded
+    assert runs(recorded) == (rows, recorded)
 
 
 def test_codec_layout_names_only_what_differs_from_the_default():

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache
 
+from ..codecs.turboquant import TurboQuantRotations, held_bits_per_element, rotation_bytes
 from ..evaluation import (
     decode_logprobs,
     decode_step,
@@ -41,6 +42,7 @@ from ..evaluation import (
     token_nll,
 )
 from ..integrations.loading import loaded_from
+from ..integrations.turboquant_cache import TurboQuantCache
 from ..models import model_fingerprint
 from .memory import cache_bytes, shared_storages
 
@@ -61,7 +63,7 @@ _WARM_UP_DECODE_STEPS = 2
 class CacheMethod:
     name: str  # e.g. "fp32 DynamicCache", "quanto 4-bit (per-channel keys)"
     make_cache: Callable[[PreTrainedModel], Cache]  # returns a FRESH cache object each call
-    family: str  # "full precision" | "transformers QuantizedCache" | "gsrq" | "l2-rvq" ...
+    family: str  # "full precision" | "transformers QuantizedCache" | "turboquant" | "gsrq" | "l2-rvq" ...
     nominal_bits: float | None = None  # bits per KV element the method claims; plotted when nothing was measured
     extra: dict = field(default_factory=dict)  # echoed into the report (settings, calibration time, ...)
     # Every prefill length must be a multiple of this, because some backends crash on other lengths (quanto's
@@ -100,6 +102,21 @@ def full_precision_method(model: PreTrainedModel) -> CacheMethod:
     )
 
 
+TURBOQUANT = "turboquant"  # family of the calibration-free rotation + Lloyd-Max rows
+TURBOQUANT_RATES = (2.0, 2.5, 3.0, 3.5, 4.0)
+# Rates also measured with the first and last layers at full precision: the low ones, where coding errs the most.
+TURBOQUANT_PROTECTED_RATES = (2.0, 3.0)
+TURBOQUANT_PROTECTED_LAYERS = 1  # at each end of the model
+# The exact window of bench kv's GSRQ rows (32 recent tokens), so that their bits held compare like for like.
+TURBOQUANT_RESIDUAL_LENGTH = 32
+
+
+def _turboquant_name(bits: float, protected_layers: int = 0) -> str:
+    protection = {0: "", 1: ", first and last layer exact"}.get(
+        protected_layers, f", first and last {protected_layers} layers exact")
+    return f"turboquant {bits:g}-bit (rotation + Lloyd-Max{protection})"
+
+
 # Short names for the shipped baselines (the CLI's ``--baselines``), in the order they are measured.
 BASELINE_IDS = {
     "quanto-4": "quanto 4-bit (per-channel keys)",
@@ -107,16 +124,23 @@ BASELINE_IDS = {
     "quanto-2-per-token": "quanto 2-bit (default per-token keys)",
     "hqq-4": "hqq 4-bit (axis 1)",
     "hqq-2": "hqq 2-bit (axis 1)",
+    **{f"turboquant-{bits:g}": _turboquant_name(bits) for bits in TURBOQUANT_RATES},
+    **{f"turboquant-{bits:g}-protected": _turboquant_name(bits, TURBOQUANT_PROTECTED_LAYERS)
+       for bits in TURBOQUANT_PROTECTED_RATES},
 }
 
 
 def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128,
                       only: Sequence[str] | None = None) -> list[CacheMethod]:
-    """The full-precision ``DynamicCache`` and transformers' ``QuantizedCache`` at its best settings, not only defaults.
+    """The full-precision ``DynamicCache``, transformers' ``QuantizedCache`` at its best settings, not only defaults,
+    and the calibration-free TurboQuant-style cache.
 
     quanto 4- and 2-bit with per-channel keys (``axis_key=-1``, KIVI-style) and per-token values, and quanto 2-bit with
     the default per-token keys so that its collapse is visible. HQQ (``axis=1`` for keys and values, its better
-    setting) is listed with a skip reason when the ``hqq`` package does not import.
+    setting) is listed with a skip reason when the ``hqq`` package does not import. TurboQuant at each of
+    :data:`TURBOQUANT_RATES`, and with the first and last layers at full precision at :data:`TURBOQUANT_PROTECTED_RATES`
+    (see :func:`turboquant_method`). ``residual_length`` is the quanto and HQQ caches' flush length; TurboQuant keeps
+    its :data:`TURBOQUANT_RESIDUAL_LENGTH` most recent tokens exact.
 
     ``only`` (keys of :data:`BASELINE_IDS`) keeps those quantized caches; the full-precision reference is always
     first, since every quality number and speed ratio is measured against it.
@@ -149,6 +173,9 @@ def shipped_baselines(model: PreTrainedModel, *, residual_length: int = 128,
         )
         method.skip_reason = hqq_problem
         methods.append(method)
+    methods += [turboquant_method(model, bits) for bits in TURBOQUANT_RATES]
+    methods += [turboquant_method(model, bits, protected_layers=TURBOQUANT_PROTECTED_LAYERS)
+                for bits in TURBOQUANT_PROTECTED_RATES]
     if only is not None:
         kept = {BASELINE_IDS[key] for key in only}
         methods = [methods[0]] + [method for method in methods[1:] if method.name in kept]
@@ -178,6 +205,28 @@ def _quantized_cache_method(name, backend, nbits, axis_key, axis_value, group_si
         nominal_bits=float(nbits),
         extra=dict(settings),
         prefill_multiple=multiple,
+    )
+
+
+def turboquant_method(model: PreTrainedModel, bits: float, *, protected_layers: int = 0,
+                      residual_length: int = TURBOQUANT_RESIDUAL_LENGTH, seed: int = 0) -> CacheMethod:
+    """:class:`TurboQuantCache` at ``bits``. Every cache of the method shares one set of rotations, as a deployment
+    would (one table per model), so they are reported as shared MiB; bits per element count the codes, the 16-bit
+    norms and the full-precision window and protected layers."""
+    shape = model_fingerprint(model.config)
+    heads, head_dim, layers = shape["num_key_value_heads"], shape["head_dim"], shape["num_hidden_layers"]
+    rotations = TurboQuantRotations(heads, head_dim, seed)
+    settings = dict(bits=bits, residual_length=residual_length, protected_layers=protected_layers)
+    coded_layers = max(layers - 2 * protected_layers, 0)
+    return CacheMethod(
+        name=_turboquant_name(bits, protected_layers),
+        make_cache=lambda model: TurboQuantCache(model.config, rotations=rotations, **settings),
+        family=TURBOQUANT,
+        nominal_bits=float(bits),
+        extra={**settings, "seed": seed, "calibration": "none",
+               "coded_bits_per_element": held_bits_per_element(bits, head_dim),
+               "rotation_bytes": rotation_bytes(coded_layers, heads, head_dim),
+               "rotations": "one table per model, shared by every cache: in shared MiB, not in bits per element"},
     )
 
 

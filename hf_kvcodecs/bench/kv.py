@@ -1,4 +1,5 @@
-"""`hf-kvcodecs bench kv`: GSRQ (GSKM and l2 k-means codebooks) against the caches transformers ships, side by side."""
+"""`hf-kvcodecs bench kv`: GSRQ (GSKM and l2 k-means codebooks) against the caches transformers ships and a
+calibration-free TurboQuant-style cache, side by side."""
 
 from __future__ import annotations
 
@@ -19,7 +20,14 @@ from ..integrations.attention import enable_code_attention
 from ..models import LoadedModel, model_fingerprint
 from ..text import EVALUATION_DEFAULT, load_corpus, tokenize_corpus
 from .fidelity import recorded_attention_inputs, relative_errors
-from .harness import CacheMethod, check_group_sizes, evaluate_methods, shipped_baselines
+from .harness import (
+    FULL_PRECISION,
+    TRANSFORMERS_QUANTIZED,
+    CacheMethod,
+    check_group_sizes,
+    evaluate_methods,
+    shipped_baselines,
+)
 from .memory import cache_bytes, shared_storages
 from .report import write_reports
 
@@ -164,10 +172,11 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
                      rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
                      speed: bool = True, plain_rvq: tuple[int, ...] = (), group_dim: int | None = None) -> dict:
-    """``bench kv``: every shipped baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``; the full-precision
-    reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the codec layout
-    ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the default and
-    ``layout_variants`` is true, the l2 codebooks of the first seed with the other layouts of :data:`LAYOUT_VARIANTS`.
+    """``bench kv``: every baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``: quanto, HQQ and TurboQuant;
+    the full-precision reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the
+    codec layout ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the
+    default and ``layout_variants`` is true, the l2 codebooks of the first seed with the other layouts of
+    :data:`LAYOUT_VARIANTS`.
     ``rates`` are the GSRQ rows' bits per element (calibrated once at the highest; lower rates are its prefixes).
     ``windows`` (perplexity/KL windows) and ``passkey_trials`` (keys per haystack length and depth) override the
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
@@ -260,7 +269,9 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
     shape = model_fingerprint(loaded.model.config)
     elements_per_token = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
-    methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name]
+    # transformers' caches only: TurboQuant's bits held and quality are measured by bench kv
+    methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name
+               and m.family in (FULL_PRECISION, TRANSFORMERS_QUANTIZED)]
     methods += gsrq_methods(loaded, text=None, store=store, progress=progress)
     rows, reference_inputs = [], {}
     # Every method is measured at the same lengths (the least common multiple of their prefill constraints), so

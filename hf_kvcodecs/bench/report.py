@@ -230,12 +230,16 @@ def _with_error(value, error) -> str:
     return f"{value:+.2f}" + ("" if error is None else f" ± {error:.2f}")
 
 
+_MARKERS = "osD^vP<>Xph*"
+
+
 def plot_quality_vs_bits(results: dict, path: Path) -> None:
     """Δppl % (with its standard error) and KL against measured bits per element, one labelled point per method.
 
     The point is the size right after prefill; a bar reaches to the size after the continuation, when a
     full-precision residual window has grown in between. A method without a measurement is placed at its nominal
-    bits and says so in its label.
+    bits and says so in its label. Each family (full precision, transformers' caches, TurboQuant, each GSRQ variant)
+    has its own marker, so that a run's many rows stay apart once the colours repeat.
     """
     import matplotlib
 
@@ -244,6 +248,7 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
 
     figure, (ppl_axis, kl_axis) = plt.subplots(1, 2, figsize=(13, 6.5))
     colors = plt.get_cmap("tab20").colors
+    markers = {}
     for index, entry in enumerate(results["methods"]):
         perplexity = entry.get("perplexity")
         if perplexity is None:
@@ -258,6 +263,7 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
             prefill_bits = decode_bits = entry["nominal_bits"]
             label += " (nominal bits)"
         growth = [[0.0], [max((decode_bits or prefill_bits) - prefill_bits, 0.0)]]
+        marker = markers.setdefault(entry["family"], _MARKERS[len(markers) % len(_MARKERS)])
         se = perplexity.get("delta_ppl_pct_se")
         for axis, value, error in (
             (ppl_axis, perplexity["delta_ppl_pct"], None if se is None else [se]),
@@ -265,7 +271,7 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
         ):
             # A legend (same colour in both panels) instead of text labels: methods at nearly the same point
             # would otherwise get overlapping, ambiguous labels.
-            axis.errorbar([prefill_bits], [value], xerr=growth, yerr=error, fmt="o", capsize=3,
+            axis.errorbar([prefill_bits], [value], xerr=growth, yerr=error, fmt=marker, capsize=3,
                           color=colors[index % len(colors)], label=label if axis is ppl_axis else None)
 
     ppl_axis.set_ylabel("Δ perplexity vs reference (%)")

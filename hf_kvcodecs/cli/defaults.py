@@ -27,7 +27,9 @@ CALIBRATION = {"bits": 2.0, "learner": DEFAULT_LEARNER, "transform": "pca", "met
 
 GSRQ_LEARNERS = ("gskm-principal", "l2")  # tuple(bench.kv.GSRQ_LEARNERS)
 GSRQ_RATES = (1.0, 2.0)  # bench.kv.GSRQ_RATES
-BASELINE_IDS = ("quanto-4", "quanto-2", "quanto-2-per-token", "hqq-4", "hqq-2")  # tuple(bench.harness.BASELINE_IDS)
+BASELINE_IDS = ("quanto-4", "quanto-2", "quanto-2-per-token", "hqq-4", "hqq-2", "turboquant-2", "turboquant-2.5",
+                "turboquant-3", "turboquant-3.5", "turboquant-4", "turboquant-2-protected",
+                "turboquant-3-protected")  # tuple(bench.harness.BASELINE_IDS)
 # bench.kv.FULL / bench.kv.QUICK: the `bench kv` protocol settings its --windows and --passkey-trials override
 KV_WINDOWS = {"full": 4, "quick": 1}
 KV_PASSKEY_TRIALS = {"full": 2, "quick": 1}

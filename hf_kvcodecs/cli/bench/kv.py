@@ -1,4 +1,4 @@
-"""`hf-kvcodecs bench kv`: GSRQ against the caches transformers ships: quality, memory, speed."""
+"""`hf-kvcodecs bench kv`: GSRQ against the caches transformers ships and TurboQuant: quality, memory, speed."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from ..defaults import (
 
 
 def add_parser(bench) -> None:
-    kv = add_command(bench, "kv", "GSRQ vs transformers' caches: quality, memory, speed")
+    kv = add_command(bench, "kv", "GSRQ vs transformers' caches and TurboQuant: quality, memory, speed")
     add_model_arguments(kv)
     kv.add_argument("--out", type=Path, default=Path("benchmarks/results"),
                     help="folder for results.json, results.md and quality_vs_bits.png")
@@ -51,7 +51,10 @@ def add_parser(bench) -> None:
                     help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
                          "use the default layout)")
     kv.add_argument("--baselines", nargs="*", default=None, choices=BASELINE_IDS,
-                    help="transformers caches to measure (default: all; the full-precision reference always runs)")
+                    help="baseline caches to measure: transformers' QuantizedCache (quanto, hqq) and the "
+                         "calibration-free TurboQuant-style cache (random rotation + Lloyd-Max codes; -protected: "
+                         "first and last layer at full precision) (default: all; the full-precision reference "
+                         "always runs)")
     kv.add_argument("--windows", type=positive_int, default=None,
                     help=f"perplexity/KL windows of evaluation text (default: {KV_WINDOWS['full']}, "
                          f"{KV_WINDOWS['quick']} with --quick; more narrows the standard errors, up to what the text "
