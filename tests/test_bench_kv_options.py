@@ -1,18 +1,27 @@
-"""`bench kv` options that choose its rows: learners, codec layout, layout variants, baselines."""
+"""`bench kv` options that choose its rows (learners, codec layout, layout variants, baselines) and its
+long-context tasks."""
 
+import inspect
+import json
 import shlex
 from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import DynamicCache, LlamaForCausalLM
 
 from hf_kvcodecs import GSRQCodebooks, cli
-from hf_kvcodecs.bench import kv
+from hf_kvcodecs.bench import harness, kv
 from hf_kvcodecs.bench.harness import BASELINE_IDS, shipped_baselines
+from hf_kvcodecs.cli import defaults
+from hf_kvcodecs.cli.bench.kv import _task_suite_options
+from hf_kvcodecs.evaluation import TaskSuiteOptions
+from hf_kvcodecs.evaluation.tasks import TASKS
 from hf_kvcodecs.gsrq import GSRQCache
 from hf_kvcodecs.models import LoadedModel
 
-from .conftest import TINY_BITS, _tiny_codebooks
+from .conftest import TINY_BITS, _tiny_codebooks, tiny_llama_config
+from .test_long_context_tasks import _byte_tokenizer
 
 
 def test_baselines_can_be_chosen_and_the_reference_always_runs(tiny_model):
@@ -104,6 +113,9 @@ def runs(monkeypatch, calibrations, tiny_model, tmp_path):
 
     monkeypatch.setattr(kv, "evaluate_methods", fake_evaluate)
     monkeypatch.setattr(kv, "write_reports", fake_reports)
+    task_options = []  # the long-context suite each run asks for
+    monkeypatch.setattr(kv, "generate_task_items", lambda tokenizer, options: task_options.append(options) or [])
+    monkeypatch.setattr(kv, "long_context_tasks", lambda *args, **settings: {})
 
     def run(command):
         assert cli.main(shlex.split(command)[1:]) == 0
@@ -111,6 +123,7 @@ def runs(monkeypatch, calibrations, tiny_model, tmp_path):
         return rows, recorded
 
     run.protocols = protocols
+    run.task_options = task_options
     return run
 
 
@@ -264,3 +277,100 @@ def test_plain_residual_vq_codebooks_decode_close_to_the_full_precision_cache(ti
     assert cache.get_seq_length() == 200
     relative = float((coded - reference).norm() / reference.norm())
     assert 0 < relative < 0.5
+
+
+def test_long_context_tasks_are_chosen_and_recorded(runs):
+    rows, recorded = runs("hf-kvcodecs bench kv --baselines quanto-4 --learners l2 --no-layout-variants "
+                          "--tasks niah_single vt --task-lengths 2K 4096 --task-items 2")
+    assert runs.task_options == [TaskSuiteOptions(tasks=("niah_single", "vt"), lengths=(2048, 4096), items_per_cell=2)]
+    assert "--tasks niah_single vt --task-lengths 2048 4096 --task-items 2 --baselines quanto-4" in recorded
+    assert runs(recorded) == (rows, recorded) and runs.task_options[-1] == runs.task_options[0]
+    _, recorded = runs("hf-kvcodecs bench kv --baselines --learners l2 --tasks all")
+    assert runs.task_options[-1] == TaskSuiteOptions()  # every task at the library's lengths and items per cell
+    assert f"--tasks {' '.join(TASKS)} --baselines" in recorded and "--task-" not in recorded
+    _, recorded = runs("hf-kvcodecs bench kv --baselines --learners l2 --tasks none")
+    assert len(runs.task_options) == 3 and "--tasks" not in recorded
+
+
+def test_bad_long_context_options_are_refused_before_the_model_loads(runs, monkeypatch, capsys, tiny_model, tmp_path):
+    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit):  # argparse: not a task
+        runs("hf-kvcodecs bench kv --tasks niah_single needle")
+    assert "invalid choice: 'needle'" in capsys.readouterr().err
+    for command, message in (("--tasks none vt", "give task names, or 'none' alone"),
+                             ("--tasks all cwe", "give task names, or 'all' alone"),
+                             ("--task-items 2", "name them with --tasks"),
+                             ("--tasks vt vt", "name a task twice"),
+                             ("--tasks vt --task-lengths four", "4K")):
+        with pytest.raises(ValueError, match=message):
+            runs(f"hf-kvcodecs bench kv {command}")
+    assert runs.task_options == []
+    with pytest.raises(TypeError, match="long_context must be a TaskSuiteOptions"):
+        kv.run_kv_benchmark(LoadedModel(tiny_model, None, "tiny", "tiny"), out=tmp_path, long_context=("vt",))
+
+
+def test_the_task_options_mirror_the_library():
+    library = TaskSuiteOptions()
+    assert defaults.TASK_NAMES == tuple(TASKS) == library.tasks
+    assert (defaults.TASK_LENGTHS, defaults.TASK_ITEMS) == (library.lengths, library.items_per_cell)
+    parser = cli.build_parser()
+    assert _task_suite_options(parser.parse_args(["bench", "kv"])) is None
+    assert inspect.signature(kv.run_kv_benchmark).parameters["long_context"].default is None
+    assert _task_suite_options(parser.parse_args(["bench", "kv", "--tasks", "all"])) == library
+
+
+@pytest.fixture
+def byte_model():
+    torch.manual_seed(0)
+    config = tiny_llama_config(vocab_size=257, bos_token_id=256, eos_token_id=256, pad_token_id=256,
+                               max_position_embeddings=2048)
+    return LoadedModel(LlamaForCausalLM(config).eval(), _byte_tokenizer(), "tiny byte model", "tiny random Llama")
+
+
+def test_every_method_runs_the_long_context_tasks_and_is_reported(byte_model, monkeypatch, tmp_path):
+    gsrq_settings = []
+    monkeypatch.setattr(kv, "gsrq_methods", lambda loaded, **settings: gsrq_settings.append(settings) or [])
+    options = TaskSuiteOptions(tasks=("niah_single",), lengths=(1024,), items_per_cell=1)
+    results = kv.run_kv_benchmark(byte_model, out=tmp_path, quick=True, baselines=["quanto-4"], speed=False,
+                                  progress=False, long_context=options)
+    suite = json.loads((tmp_path / "results.json").read_text())["long_context"]
+    fp, quanto = "fp32 DynamicCache", "quanto 4-bit (per-channel keys)"
+    assert list(suite["methods"]) == [fp, quanto] and list(suite["vs_reference"]) == [quanto]
+    assert suite["reference"] == fp and suite["not_run"] == {} and suite["options"] == options.to_dict()
+    # quanto quantizes 32-token multiples of this model's KV: every method prefills that much, decodes the rest
+    assert suite["prefill_alignment"] == 32
+    (item,) = suite["methods"][quanto]["items"]
+    assert item["prompt_sha256"] == suite["methods"][fp]["items"][0]["prompt_sha256"] and item["generated_tokens"] >= 1
+    difference = suite["vs_reference"][quanto]["lengths"]["1024"]["score"]
+    assert difference["n"] == 1 and difference["se"] is None and -1 <= difference["mean"] <= 1
+    markdown = (tmp_path / "results.md").read_text()
+    assert "## Long-context tasks (RULER-style)" in markdown
+    assert "| method | niah_single 1024 | mean 1024 |" in markdown and f"| {quanto} | " in markdown
+    assert "| method | Δ 1024 | Δ overall |" in markdown
+    assert results["files"]["long_context_plot"] == str(tmp_path / "long_context_vs_length.png")
+    assert (tmp_path / "long_context_vs_length.png").stat().st_size > 0
+    assert "--tasks niah_single --task-lengths 1024 --task-items 1 --baselines quanto-4" in results["command"]
+
+
+def test_a_context_length_too_short_for_a_task_fails_before_any_calibration(byte_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(kv, "gsrq_methods", lambda loaded, **settings: pytest.fail("calibrated"))
+    with pytest.raises(ValueError, match="'cwe' is too short"):
+        kv.run_kv_benchmark(byte_model, out=tmp_path, quick=True, baselines=[], progress=False,
+                            long_context=TaskSuiteOptions(tasks=("cwe",), lengths=(1024,), items_per_cell=1))
+
+
+def test_aligned_prefill_feeds_the_rest_of_a_prompt_in_decode_mode(tiny_model):
+    calls = []
+
+    def recorded(input_ids, **settings):
+        calls.append(input_ids.shape[-1])
+        return tiny_model(input_ids, **settings)
+
+    prompt = torch.randint(3, 128, (1, 77), generator=torch.Generator().manual_seed(0))
+    runner = harness._AlignedPrefill(recorded, 32)
+    with torch.no_grad():
+        split = runner(prompt, cache=DynamicCache(config=tiny_model.config), use_cache=True, logits_to_keep=1)
+        whole = tiny_model(prompt, cache=DynamicCache(config=tiny_model.config), use_cache=True, logits_to_keep=1)
+    assert calls == [64] + [1] * 13
+    torch.testing.assert_close(split.logits, whole.logits, rtol=1e-4, atol=1e-4)
+    assert harness._AlignedPrefill(tiny_model, 32).config is tiny_model.config

@@ -11,6 +11,9 @@ that runs first in the same process:
 3. pass-key retrieval, the question fed in decode mode;
 4. bytes held by the cache's tensors, as bits per KV element;
 5. decode tokens/s with prefill untimed, repeats interleaved across methods.
+
+:func:`long_context_tasks` runs the RULER-style long-context suite (:mod:`hf_kvcodecs.evaluation.tasks`) for the same
+methods, on the same items for each, paired item by item against the same reference.
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache
 
 from ..codecs.turboquant import TurboQuantRotations, held_bits_per_element, rotation_bytes
 from ..evaluation import (
+    TaskSuiteOptions,
+    compare_task_results,
     decode_logprobs,
     decode_step,
     divergence_metrics,
+    generate_task_items,
     perplexity_metrics,
     prefill,
+    run_task_suite,
     strided_windows,
     token_nll,
 )
@@ -652,6 +659,101 @@ def _passkey_scores(cases: list[PasskeyCase], answers: list[str]) -> dict:
         ],
     }
 
+
+
+class _AlignedPrefill:
+    """``model`` as the long-context runner calls it, with each prompt prefilled in a multiple of ``multiple`` tokens
+    and the rest of it fed one token per call, as the pass key feeds its question: quanto and HQQ cannot quantize
+    other prefill lengths (:attr:`CacheMethod.prefill_multiple`), and the prompts fit their context length exactly.
+    Every method of a run gets the same split, so that their answers stay paired item by item."""
+
+    def __init__(self, model, multiple: int):
+        self._model, self._multiple = model, multiple
+
+    def __getattr__(self, name):  # device, config, generation_config: the model's
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids, cache=None, **kwargs):
+        length = input_ids.shape[-1]
+        aligned = length - length % self._multiple
+        if cache is None or length == 1 or aligned in (0, length):
+            return self._model(input_ids, cache=cache, **kwargs)
+        self._model(input_ids[:, :aligned], cache=cache, use_cache=True, logits_to_keep=1)
+        for position in range(aligned, length - 1):
+            self._model(input_ids[:, position : position + 1], cache=cache, use_cache=True, logits_to_keep=1)
+        return self._model(input_ids[:, length - 1 :], cache=cache, **kwargs)
+
+
+def long_context_tasks(model: PreTrainedModel, tokenizer, methods: Sequence[CacheMethod], options: TaskSuiteOptions,
+                       *, items: list | None = None, entries: Sequence[dict] = (), progress: bool = True) -> dict:
+    """The RULER-style long-context suite of ``options`` for every method that runs, on the same ``items`` (default:
+    generated from ``options``) for each: every item gets a fresh cache from the method's factory, as every pass-key
+    haystack does, after one warm-up of the method. Answers are compared item by item with the first full-precision
+    method's (added when there is none, as :func:`evaluate_methods` does), the reference.
+
+    Methods with a ``skip_reason``, or whose entry in ``entries`` (from :func:`evaluate_methods`) holds an error, are
+    not run; a failure of another method is recorded and the suite goes on, a failure of the reference raises. Each
+    prompt is prefilled in a multiple of the methods' prefill multiples, the rest of it in decode mode
+    (:class:`_AlignedPrefill`).
+
+    Returns a JSON-able dict: ``options``, ``reference``, ``prefill_alignment``, ``methods`` (per method, the result of
+    :func:`hf_kvcodecs.evaluation.tasks.run_task_suite`), ``vs_reference`` (per other method, the item-paired
+    differences of :func:`hf_kvcodecs.evaluation.compare_task_results`, plus ``lengths``: per length, the mean over
+    tasks of the cells' differences), ``not_run`` (method -> why) and ``elapsed_seconds``.
+    """
+    started = time.perf_counter()
+    methods = _reference_first(model, methods)
+    reference = methods[0]
+    failed = {entry["name"]: entry["error"] for entry in entries if "error" in entry}
+    not_run = {method.name: f"skipped: {method.skip_reason}" if method.skip_reason is not None
+               else f"failed before the tasks: {failed[method.name]}"
+               for method in methods if method.skip_reason is not None or method.name in failed}
+    runnable = [method for method in methods if method.name not in not_run]
+    items = generate_task_items(tokenizer, options) if items is None else items
+    alignment = math.lcm(*(method.prefill_multiple for method in runnable))
+    runner = model if alignment == 1 else _AlignedPrefill(model, alignment)
+    warm_up_ids = items[0].input_ids[: math.ceil(_WARM_UP_TOKENS / alignment) * alignment]
+
+    def run(method: CacheMethod) -> dict:
+        with torch.no_grad():  # as the task runner: quanto's tensor subclasses cannot run under inference_mode
+            _warm_up(model, method, warm_up_ids)
+        return run_task_suite(runner, tokenizer, functools.partial(method.make_cache, model), options, progress,
+                              items=items, description=f"long-context tasks: {method.name}")
+
+    results = {}
+    for method in runnable:
+        entry = {"name": method.name}
+        result = _guarded(entry, "long-context tasks", method is reference, functools.partial(run, method))
+        if result is None:
+            not_run[method.name] = f"failed: {entry['error']}"
+        else:
+            results[method.name] = result
+    vs_reference = {}
+    for name, result in results.items():
+        if name != reference.name:
+            compared = compare_task_results(result, results[reference.name])
+            vs_reference[name] = {**compared, "lengths": _differences_by_length(compared["cells"])}
+    return {"options": options.to_dict(), "reference": reference.name, "prefill_alignment": alignment,
+            "methods": results, "vs_reference": vs_reference, "not_run": not_run,
+            "elapsed_seconds": round(time.perf_counter() - started, 1)}
+
+
+def _differences_by_length(cells: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per length, the mean over tasks of the item-paired differences of its cells, with the standard error of that
+    mean (cells independent), as a method's own per-length score is the mean over tasks."""
+    by_length: dict[str, list[dict]] = {}
+    for by_task_length in cells.values():
+        for length, cell in by_task_length.items():
+            by_length.setdefault(length, []).append(cell)
+
+    def mean_of(differences: list[dict]) -> dict:
+        ses = [difference["se"] for difference in differences]
+        return {"mean": statistics.fmean(difference["mean"] for difference in differences),
+                "se": None if None in ses else math.sqrt(sum(se * se for se in ses)) / len(differences),
+                "n": sum(difference["n"] for difference in differences), "tasks": len(differences)}
+
+    return {length: {metric: mean_of([cell[metric] for cell in members]) for metric in ("score", "strict")}
+            for length, members in by_length.items()}
 
 def _decode_speed(model, methods, reference, token_ids, context, n_tokens, repeats, progress) -> dict[str, dict]:
     """Decode tokens/s after an untimed prefill of ``context`` tokens; median over repeats, ratio to the reference.

@@ -1,5 +1,5 @@
 """`hf-kvcodecs bench kv`: GSRQ (GSKM and l2 k-means codebooks) against the caches transformers ships and a
-calibration-free TurboQuant-style cache, side by side."""
+calibration-free TurboQuant-style cache, side by side, optionally on RULER-style long-context tasks as well."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from ..codecs.joint import resolve_layouts
 from ..codecs.kmeans import BEST_GSKM_LEARNER
 from ..codecs.residual import check_bit_rate, lowest_bit_rate
+from ..evaluation import TaskSuiteOptions, generate_task_items
 from ..gsrq import GSRQCache
 from ..gsrq.codebooks import LAYOUTS, RATE_TOLERANCE, heads_per_code
 from ..gsrq.store import calibration_defaults, ensure_codebooks
@@ -26,6 +27,7 @@ from .harness import (
     CacheMethod,
     check_group_sizes,
     evaluate_methods,
+    long_context_tasks,
     shipped_baselines,
 )
 from .memory import cache_bytes, shared_storages
@@ -171,7 +173,8 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                      seeds=(0,), store=None, progress: bool = True, learners=None, key_layout: str | None = None,
                      value_layout: str | None = None, layout_variants: bool = True, baselines=None,
                      rates=GSRQ_RATES, windows: int | None = None, passkey_trials: int | None = None,
-                     speed: bool = True, plain_rvq: tuple[int, ...] = (), group_dim: int | None = None) -> dict:
+                     speed: bool = True, plain_rvq: tuple[int, ...] = (), group_dim: int | None = None,
+                     long_context: TaskSuiteOptions | None = None) -> dict:
     """``bench kv``: every baseline (or ``baselines``, keys of ``harness.BASELINE_IDS``: quanto, HQQ and TurboQuant;
     the full-precision reference always runs), GSRQ per learner (``learners``, default both), seed and rate with the
     codec layout ``key_layout`` / ``value_layout`` (default: the calibration defaults), and, when that layout is the
@@ -182,6 +185,10 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
     protocol's defaults, for comparisons that need more statistical power; ``speed=False`` skips the speed phase.
     ``plain_rvq`` (group sizes) adds plain residual VQ at the same rates, per learner (see :func:`plain_rvq_row`).
     ``group_dim`` sets the GSRQ rows' group size (default: the calibration default, 8).
+    ``long_context`` (default None: none) runs every method that runs through the RULER-style long-context tasks it
+    names, against the full-precision reference item by item (:func:`harness.long_context_tasks`); the results go
+    under ``long_context``. Each item is one prefill of its context length plus up to its task's answer budget
+    (30-120 tokens) of greedy decoding, per method.
     """
     rates, plain_rvq = tuple(rates), tuple(plain_rvq)
     check_group_sizes(loaded.model.config, [*(("--plain-rvq", size) for size in plain_rvq),
@@ -203,6 +210,9 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
         protocol["n_windows" if name == "windows" else name] = value
     if not speed:
         protocol["speed_contexts"] = ()
+    if long_context is not None and not isinstance(long_context, TaskSuiteOptions):
+        raise TypeError("long_context must be a TaskSuiteOptions (hf_kvcodecs.evaluation.TaskSuiteOptions) or None, "
+                        f"got {type(long_context).__name__}.")
     layout = codec_layout(key_layout, value_layout, group_dim)
     # the variants are l2 codebooks next to the default layout's l2 rows
     variants = LAYOUT_VARIANTS if layout_variants and not layout[1] and "l2" in learners and not quick else ()
@@ -210,6 +220,8 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
                                                      *(plain_rvq_row(dim)[2] for dim in plain_rvq)])
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
+    # Before any calibration or measurement: a context length too short for one of the tasks fails here.
+    task_items = None if long_context is None else generate_task_items(loaded.tokenizer, long_context)
     methods = shipped_baselines(loaded.model, only=baselines) + gsrq_methods(
         loaded, rates=rates, seeds=tuple(seeds), learners=learners, text=calibration_text, store=store, progress=progress,
         calibration=QUICK_CALIBRATION if quick else None, layout=layout, layout_variants=variants, plain_rvq=plain_rvq,
@@ -218,10 +230,14 @@ def run_kv_benchmark(loaded: LoadedModel, *, out: str | Path, text=None, calibra
         loaded.model, loaded.tokenizer, methods, eval_token_ids=token_ids, eval_description=corpus.description,
         model_description=loaded.description, progress=progress, **protocol,
     )
+    if long_context is not None:
+        results["long_context"] = long_context_tasks(loaded.model, loaded.tokenizer, methods, long_context,
+                                                     items=task_items, entries=results["methods"], progress=progress)
     results["command"] = kv_command(loaded.name, quick=quick, seeds=seeds, learners=learners, layout=layout[1],
                                     layout_variants=layout_variants, baselines=baselines, rates=rates, text=text,
                                     calibration_text=calibration_text, threads=torch.get_num_threads(),
-                                    windows=windows, passkey_trials=passkey_trials, speed=speed, plain_rvq=plain_rvq)
+                                    windows=windows, passkey_trials=passkey_trials, speed=speed, plain_rvq=plain_rvq,
+                                    long_context=long_context)
     results["files"] = {name: str(path) for name, path in write_reports(results, out).items()}
     return results
 
@@ -338,11 +354,15 @@ def memory_markdown(results: dict) -> str:
 def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, layout_variants: bool, baselines,
                rates=GSRQ_RATES, text=None, calibration_text=None, threads: int | None = None,
                windows: int | None = None, passkey_trials: int | None = None, speed: bool = True,
-               plain_rvq: tuple[int, ...] = ()) -> str:
+               plain_rvq: tuple[int, ...] = (), long_context: TaskSuiteOptions | None = None) -> str:
     """The ``hf-kvcodecs bench kv`` command line that reproduces a run (recorded in its reports); ``text`` and
-    ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files)."""
+    ``calibration_text`` as the run got them (None: the defaults; a corpus name or a list of files). Of
+    ``long_context``, the command line sets the tasks, lengths and items per cell; its other settings are in the
+    results' ``long_context.options``."""
     def words(value):
         return [value] if isinstance(value, str) else list(value)
+
+    tasks, task_defaults = long_context or TaskSuiteOptions(), TaskSuiteOptions()
 
     options = [
         (["--threads", str(threads)], threads is not None), (["--quick"], quick),
@@ -355,6 +375,10 @@ def kv_command(model_name: str, *, quick: bool, seeds, learners, layout: dict, l
         (["--passkey-trials", str(passkey_trials)], passkey_trials is not None),
         (["--no-speed"], not speed),
         (["--plain-rvq", *map(str, plain_rvq)], bool(plain_rvq)),
+        (["--tasks", *tasks.tasks], long_context is not None),
+        (["--task-lengths", *map(str, tasks.lengths)], long_context is not None and tasks.lengths != task_defaults.lengths),
+        (["--task-items", str(tasks.items_per_cell)],
+         long_context is not None and tasks.items_per_cell != task_defaults.items_per_cell),
         (["--baselines", *(baselines or ())], baselines is not None),
         (["--text", *words(text or ())], text is not None),
         (["--calibration-text", *words(calibration_text or ())], calibration_text is not None),

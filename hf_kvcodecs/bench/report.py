@@ -1,4 +1,5 @@
-"""Write benchmark results (from ``harness.evaluate_methods``) as JSON, a Markdown table and a quality-vs-bits plot."""
+"""Write benchmark results (from ``harness.evaluate_methods``) as JSON, a Markdown table and a quality-vs-bits plot,
+and, when the run has them (``harness.long_context_tasks``), the long-context task scores as a section and a plot."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import math
 import textwrap
 from pathlib import Path
 
+from ..evaluation import task_suite_table
 from .harness import FULL_PRECISION, TRANSFORMERS_QUANTIZED
 
 MISSING = "–"
 
 
 def write_reports(results: dict, out_dir) -> dict[str, Path]:
-    """Write ``results.json``, ``results.md`` and ``quality_vs_bits.png`` into ``out_dir``; returns their paths."""
+    """Write ``results.json``, ``results.md`` and ``quality_vs_bits.png`` into ``out_dir``, and
+    ``long_context_vs_length.png`` when the results hold long-context tasks; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -25,6 +28,9 @@ def write_reports(results: dict, out_dir) -> dict[str, Path]:
     paths["json"].write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
     paths["markdown"].write_text(markdown_report(results), encoding="utf-8")
     plot_quality_vs_bits(results, paths["plot"])
+    if results.get("long_context", {}).get("methods"):
+        paths["long_context_plot"] = out_dir / "long_context_vs_length.png"
+        plot_long_context(results["long_context"], paths["long_context_plot"], results["model"]["description"])
     return paths
 
 
@@ -68,6 +74,7 @@ def markdown_report(results: dict) -> str:
         lines.append("| " + " | ".join(_row(entry, speed_contexts, len(header))) + " |")
     lines += _seed_spread(results["methods"])
     lines += _paired_section(results["methods"])
+    lines += _long_context_section(results.get("long_context"))
     return "\n".join(lines) + "\n"
 
 
@@ -154,6 +161,47 @@ def _paired_section(entries: list[dict]) -> list[str]:
                f"{passkey['both']} / {passkey['only_method']} / {passkey['only_baseline']} / {passkey['neither']}")
             + " |")
     return lines
+
+
+def _long_context_section(suite: dict | None) -> list[str]:
+    """The long-context task scores per method (``task_suite_table``) and each method's item-paired difference from
+    the reference per context length."""
+    if suite is None:
+        return []
+    options = suite["options"]
+    lines = ["", "## Long-context tasks (RULER-style)", "",
+             f"Tasks {', '.join(options['tasks'])} at {', '.join(map(str, options['lengths']))} tokens (prompt plus "
+             f"answer, in the model's tokens), {options['items_per_cell']} items per task and length (seed "
+             f"{options['seed']}), the same items for every method; haystacks from {options['corpus']}. Each item: one "
+             "fresh cache, the prompt prefilled" + (f" in a multiple of {suite['prefill_alignment']} tokens and the "
+                                                   "rest fed one token per call" if suite["prefill_alignment"] > 1
+                                                   else "") +
+             ", then a greedy answer within the task's budget. Score: RULER's (fraction of the expected strings in "
+             "the answer) in % ± standard error over items; strict exact match in % in brackets; mean per length = "
+             f"mean over tasks. {suite['elapsed_seconds']:.0f} s in all.", ""]
+    if suite["methods"]:
+        lines += task_suite_table(suite["methods"])
+    if suite["not_run"]:
+        lines += [""] + [f"- Not run: {name}: {reason}".replace("|", "/") for name, reason in suite["not_run"].items()]
+    if suite["vs_reference"]:
+        lengths = [str(length) for length in options["lengths"]]
+        lines += ["", f"Paired against `{suite['reference']}`, item by item: the method's score minus the reference's "
+                  "in points, mean over tasks ± its standard error (strict exact match in brackets); overall: over "
+                  "every item.", "",
+                  "| method | " + " | ".join(f"Δ {length}" for length in lengths) + " | Δ overall |",
+                  "|---" * (len(lengths) + 2) + "|"]
+        for name, compared in suite["vs_reference"].items():
+            cells = [_points(compared["lengths"][length]) if length in compared["lengths"] else MISSING
+                     for length in lengths]
+            lines.append(f"| {name} | " + " | ".join(cells + [_points(compared["overall"])]) + " |")
+    return lines
+
+
+def _points(difference: dict) -> str:
+    """A paired score difference in points ± se, the strict exact match's in brackets."""
+    score, strict = difference["score"], difference["strict"]
+    return (f"{100 * score['mean']:+.1f}" + ("" if score["se"] is None else f" ± {100 * score['se']:.1f}")
+            + f" ({100 * strict['mean']:+.0f})")
 
 
 def _seed_spread(entries: list[dict]) -> list[str]:
@@ -291,5 +339,41 @@ def plot_quality_vs_bits(results: dict, path: Path) -> None:
     figure.suptitle(textwrap.fill(title, width=160), fontsize=9)
     figure.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
     figure.tight_layout(rect=(0, 0.16, 1, 1))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_long_context(suite: dict, path: Path, model_description: str = "") -> None:
+    """The long-context score against the context length, one line per method: mean over tasks per length, error
+    bars one standard error (none where a cell has a single item)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [int(length) for length in suite["options"]["lengths"]]
+    # the legend (two columns below the axes) grows with the methods, the axes keep their size
+    legend_inches = 0.3 + 0.2 * math.ceil(len(suite["methods"]) / 2)
+    figure, axis = plt.subplots(figsize=(9, 5 + legend_inches))
+    colors = plt.get_cmap("tab20").colors
+    for index, (name, result) in enumerate(suite["methods"].items()):
+        points = [(length, result["lengths"][str(length)]) for length in lengths if str(length) in result["lengths"]]
+        errors = [100 * (point["se"] or 0.0) for _, point in points]
+        axis.errorbar([length for length, _ in points], [100 * point["mean"] for _, point in points], yerr=errors,
+                      marker=_MARKERS[index % len(_MARKERS)], capsize=3, color=colors[index % len(colors)],
+                      linestyle="--" if name == suite["reference"] else "-", label=name)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(lengths, [str(length) for length in lengths])
+    axis.minorticks_off()
+    axis.set_xlabel("context length (tokens of prompt and answer)")
+    axis.set_ylabel("score, % (mean over tasks ± se)")
+    axis.set_ylim(-2, 102)
+    axis.grid(True, alpha=0.3)
+    options = suite["options"]
+    title = (f"{model_description}: RULER-style tasks {', '.join(options['tasks'])}, "
+             f"{options['items_per_cell']} items per task and length")
+    figure.suptitle(textwrap.fill(title, width=110), fontsize=9)
+    figure.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, legend_inches / (5 + legend_inches), 1, 1))
     figure.savefig(path, dpi=120)
     plt.close(figure)

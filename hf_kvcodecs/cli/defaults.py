@@ -35,6 +35,11 @@ KV_WINDOWS = {"full": 4, "quick": 1}
 KV_PASSKEY_TRIALS = {"full": 2, "quick": 1}
 # cells of the full pass-key grid: len(FULL["passkey_lengths"]) x len(passkey_depths of harness.evaluate_methods)
 KV_PASSKEY_CELLS = 9
+# the RULER-style long-context suite bench kv runs with --tasks: tuple(evaluation.tasks.TASKS), and the lengths and
+# items per cell of evaluation.TaskSuiteOptions()
+TASK_NAMES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
+TASK_LENGTHS = (2048, 4096, 8192)
+TASK_ITEMS = 8
 
 SPLIT_LAYOUTS = ("default", "conditional-keys")  # tuple(bench.bit_split.SPLIT_LAYOUTS)
 SPLIT_OFFSETS = (-0.5, -0.25, 0.0, 0.25, 0.5)  # bench.bit_split.DEFAULT_OFFSETS
