@@ -5,7 +5,7 @@ code-reading attention implementations, and ``quant_method="hf_kvcodecs"`` with 
 ``from_pretrained`` loads models compressed by hf_kvcodecs.
 """
 
-from .gsrq import GSRQCache, GSRQCodebooks, calibrate_gsrq
+from .gsrq import GSRQCache, GSRQCacheConfig, GSRQCodebooks, calibrate_gsrq
 from .integrations.attention import enable_code_attention, register_code_attention
 from .integrations.transformers_patch import register_cache_implementation
 from .quantization import KVCodecsConfig
@@ -30,6 +30,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GSRQCache", "GSRQCodebooks", "KVCodecsConfig", "SCDKnowledgeBase", "SCDTransferCache", "SQuaTConfig",
-           "SQuaTTrainer", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
+__all__ = ["GSRQCache", "GSRQCacheConfig", "GSRQCodebooks", "KVCodecsConfig", "SCDKnowledgeBase", "SCDTransferCache",
+           "SQuaTConfig", "SQuaTTrainer", "enable_code_attention", "model_rope_inv_freq", "calibrate_gsrq",
            "register_cache_implementation", "__version__"]

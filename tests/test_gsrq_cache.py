@@ -123,7 +123,7 @@ def test_long_left_padding_is_reported(tiny_model, tiny_codebooks_dir, caplog):
 
 
 def test_left_padding_is_read_from_the_first_call_positions():
-    from hf_kvcodecs.gsrq.cache import _left_padding
+    from hf_kvcodecs.gsrq.ledger import _left_padding
 
     rows = torch.tensor
     assert _left_padding(rows([[0, 1, 2, 3]])) == 0  # one run: unpadded

@@ -5,7 +5,11 @@ from __future__ import annotations
 import time
 
 from ._common import add_command, add_model_arguments, load_model
+from ._gsrq_options import add_gsrq_cache_arguments, gsrq_cache_options
 from .defaults import CODEBOOK_STORE, EVALUATION_TEXT
+
+# The demo's --bits takes several rates, one generation each, in place of the cache's single rate.
+OWN_OPTIONS = ("bits",)
 
 # The passage is cut from the start of the evaluation text; this many characters hold more tokens than a prompt needs.
 PASSAGE_CHARACTERS = 6000
@@ -22,6 +26,7 @@ def add_parser(commands) -> None:
                       help=f"tokens of the {EVALUATION_TEXT} text in the prompt, before a question about it (at most "
                            f"what its first {PASSAGE_CHARACTERS} characters hold)")
     demo.add_argument("--max-new-tokens", type=int, default=48, help="tokens each cache generates, greedily")
+    add_gsrq_cache_arguments(demo, skip=OWN_OPTIONS)
     demo.set_defaults(func=command)
 
 
@@ -31,11 +36,14 @@ def command(args) -> int:
 
     from ..bench.memory import cache_bytes, shared_storages
     from ..codecs.kmeans import DEFAULT_LEARNER
-    from ..gsrq import GSRQCache
+    from ..gsrq import GSRQCache, GSRQCacheConfig
     from ..gsrq.store import ensure_codebooks
     from ..models import model_fingerprint
     from ..text import EVALUATION_DEFAULT, load_corpus
 
+    options = gsrq_cache_options(args, skip=OWN_OPTIONS)
+    for bits in args.bits:  # a bad option fails now, not after the model load and the calibration
+        GSRQCacheConfig(bits=bits, **options)
     loaded = load_model(args)
     model, tokenizer = loaded.model, loaded.tokenizer
     print(f"model: {loaded.description}")
@@ -73,11 +81,12 @@ def command(args) -> int:
                 out = model.generate(**inputs, cache=how(), **kwargs)
             else:  # exactly what a user writes: one argument and its config
                 out = model.generate(**inputs, cache_implementation="gsrq",
-                                     cache_config={"codebooks": str(directory), "bits": how}, **kwargs)
+                                     cache_config={"codebooks": str(directory), "bits": how, **options}, **kwargs)
         seconds = time.perf_counter() - started
         tokens = out.sequences[0, prompt_len:]
         held = out.cache.get_seq_length()
-        excluded = shared_storages(out.cache, GSRQCache(model.config, codebooks=directory, bits=how)) if not callable(how) else {}
+        excluded = shared_storages(out.cache, GSRQCache(model.config, codebooks=directory, bits=how, **options)) \
+            if not callable(how) else {}
         bits_held = 8 * cache_bytes(out.cache, excluding=excluded) / (held * elements_per_token)
         reference = tokens if reference is None else reference
         length = min(len(tokens), len(reference))

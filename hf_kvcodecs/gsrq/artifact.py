@@ -7,9 +7,11 @@ Registered from ``hf_kvcodecs.gsrq``'s ``__init__``; the registry and what the q
 from __future__ import annotations
 
 from ..integrations.kv_artifacts import KVArtifact
-from .cache import CACHE_CONFIG_KEYS, GSRQCache, load_codebooks
+from .cache import GSRQCache
 from .codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
+from .config import GSRQCacheConfig
 from .hub import download_codebooks
+from .loading import load_codebooks
 
 
 def _check_gsrq_codebooks(model, codebooks, **options) -> None:
@@ -23,9 +25,9 @@ GSRQ_CODEBOOKS = KVArtifact(
     folder="kv_codebooks",
     location_key="codebooks",
     files=(METADATA_FILE, TENSORS_FILE),
-    # generate() supplies the model config; a checkpoint carries its own codebooks, so no Hub revision or subfolder
-    cache_options=tuple(key for key in CACHE_CONFIG_KEYS
-                        if key not in ("config", "codebooks_revision", "codebooks_subfolder", "rope_inv_freq")),
+    # generate() supplies the model config and its RoPE frequencies; a checkpoint carries its own codebooks, so no Hub
+    # revision or subfolder
+    cache_options=GSRQCacheConfig.option_names(checkpoint=True),
     load=load_codebooks,
     check=_check_gsrq_codebooks,
     download=download_codebooks,
