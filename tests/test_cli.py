@@ -22,7 +22,7 @@ from hf_kvcodecs.cli._common import HelpFormatter
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
             ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
             ("bench", "squat"), ("bench", "scd-mismatch"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
-            ("scd", "fit")}
+            ("scd", "fit"), ("export",)}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
 PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("scd", "fit")}
 # Imported by commands when they run, never by `import hf_kvcodecs` (the package's own imports, which register it with
@@ -136,7 +136,8 @@ def test_the_parser_defaults_are_the_library_defaults():
     from hf_kvcodecs.gsrq import codebooks, store
     from hf_kvcodecs.quantization.compress import CompressSettings
 
-    for path in COMMANDS - {("push-codebooks",)} - PAIR_COMMANDS:
+    # export takes a quantized checkpoint: no default model
+    for path in COMMANDS - {("push-codebooks",), ("export",)} - PAIR_COMMANDS:
         assert _default(path, "model") == defaults.DEFAULT_MODEL_NAME
     for path in PAIR_COMMANDS:
         assert _default(path, "producer") == defaults.DEFAULT_MODEL_NAME

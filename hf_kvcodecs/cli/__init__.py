@@ -1,5 +1,5 @@
-"""Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | bench kv | bench memory | bench codec |
-bench weights | bench split | bench decode | scd make-consumer | scd fit`."""
+"""Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | export | bench kv | bench memory |
+bench codec | bench weights | bench split | bench decode | scd make-consumer | scd fit`."""
 
 # Building the parser imports no module `import hf_kvcodecs` has not imported: each command imports what it needs when it
 # runs, and the values the parser shows come from .defaults (checked against the library by tests/test_cli.py) or, for
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from . import _common, bench, calibrate, compress, demo, push, scd, squat
+from . import _common, bench, calibrate, compress, demo, export, push, scd, squat
 from ._common import HelpFormatter
 
 # The model load every command goes through, looked up here at each call (see _common.load_model).
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log at INFO level, and show the traceback of bad input instead of a one-line error")
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in (demo, calibrate, push, compress, bench, scd, squat):
+    for module in (demo, calibrate, push, compress, export, bench, scd, squat):
         module.add_parser(commands)
     return parser
 
