@@ -118,3 +118,12 @@ def test_bench_runs_end_to_end_on_a_tiny_lora_pair(tmp_path):
     scd_plot(results, tmp_path / "scd.png")
     scd_bytes_plot(results, tmp_path / "scd_bytes.png")
     assert (tmp_path / "scd.png").stat().st_size > 1000 and (tmp_path / "scd_bytes.png").stat().st_size > 1000
+
+
+def test_cost_times_every_operation_round_robin_so_load_drift_cannot_skew_their_ratios():
+    from hf_kvcodecs.bench.scd import _interleaved_median_seconds
+
+    calls = []
+    medians = _interleaved_median_seconds({name: (lambda name=name: calls.append(name)) for name in "abc"}, 3)
+    assert calls == list("abc") * 3
+    assert set(medians) == set("abc") and all(value >= 0 for value in medians.values())

@@ -386,13 +386,16 @@ def instructions(producer, consumer, tokenizer, kb, kvtc_kb, settings: SCDBenchS
 # ---- cost and TTFT ------------------------------------------------------------------------------------------------
 
 
-def _median_seconds(function: Callable[[], object], repeats: int) -> float:
-    times = []
+def _interleaved_median_seconds(functions: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, timed round-robin (one call of each per repeat): on a shared machine the load
+    drifts over minutes, and timing one method's repeats before the next one's would put that drift into their ratios."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
     for _ in range(repeats):
-        started = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+        for name, function in functions.items():
+            started = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def prefill_flops(model_shapes, parameters: int, tokens: int) -> float:
@@ -413,37 +416,34 @@ def cost_at(producer, consumer, kb, text_ids: torch.Tensor, tokens: int, setting
             consumer(input_ids=step, cache=oracle_cache, position_ids=torch.tensor([[tokens]]), use_cache=True)
         oracle_cache.crop(-1)  # the next repeat times the same first step
 
-    repeats = settings.cost_repeats
-    extra = {}
+    timed: dict[str, Callable[[], object]] = {
+        "oracle_prefill_s": lambda: _own_prefill(consumer, ids),
+        "producer_prefill_s": lambda: producer_cache(producer, ids),
+        "scd_encode_s": lambda: encode(producer, ids, kb),
+        "scd_rebuild_s": lambda: SCDTransferCache.from_payload(payload, consumer, kb),
+        "kivi_rebuild_s": lambda: kivi_cache(source, 4, settings.kivi_group),
+        "first_step_s": first_step,
+    }
     if gsrq_codebooks is not None and settings.gsrq_bits:
         from ..gsrq import GSRQCache
 
         coded = GSRQCache(unwrapped(producer).config, codebooks=gsrq_codebooks, bits=settings.gsrq_bits[0],
                           attention="dequantize")
-        extra["gsrq_encode_s"] = _median_seconds(
-            lambda: producer(input_ids=ids, cache=GSRQCache(unwrapped(producer).config, codebooks=gsrq_codebooks,
-                                                            bits=settings.gsrq_bits[0], attention="dequantize"),
-                             use_cache=True, logits_to_keep=1), 1)
         with torch.inference_mode():
             producer(input_ids=ids, cache=coded, use_cache=True, logits_to_keep=1)
-        extra["gsrq_rebuild_s"] = _median_seconds(
-            lambda: [layer.dequantized_keys_and_values() for layer in coded.layers], repeats)
+        timed["gsrq_encode_s"] = lambda: producer(
+            input_ids=ids, cache=GSRQCache(unwrapped(producer).config, codebooks=gsrq_codebooks,
+                                           bits=settings.gsrq_bits[0], attention="dequantize"),
+            use_cache=True, logits_to_keep=1)
+        timed["gsrq_rebuild_s"] = lambda: [layer.dequantized_keys_and_values() for layer in coded.layers]
     for name, other in (extra_kbs or {}).items():
         other_payload = encode(producer, ids, other)
-        extra[f"{name}_encode_s"] = _median_seconds(lambda other=other: encode(producer, ids, other), repeats)
-        extra[f"{name}_rebuild_s"] = _median_seconds(
-            lambda other=other, other_payload=other_payload: SCDTransferCache.from_payload(other_payload, consumer, other),
-            repeats)
-    return {**extra,
-        "oracle_prefill_s": _median_seconds(lambda: _own_prefill(consumer, ids), repeats),
-        "producer_prefill_s": _median_seconds(lambda: producer_cache(producer, ids), repeats),
-        "scd_encode_s": _median_seconds(lambda: encode(producer, ids, kb), repeats),
-        "scd_rebuild_s": _median_seconds(lambda: SCDTransferCache.from_payload(payload, consumer, kb), repeats),
-        "kivi_rebuild_s": _median_seconds(lambda: kivi_cache(source, 4, settings.kivi_group), repeats),
-        "first_step_s": _median_seconds(first_step, repeats),
-        "scd_bytes_per_token": len(payload) / tokens,
-        "gpu_class_oracle_prefill_s": gpu_prefill_s,
-    }
+        timed[f"{name}_encode_s"] = lambda other=other: encode(producer, ids, other)
+        timed[f"{name}_rebuild_s"] = lambda other=other, other_payload=other_payload: SCDTransferCache.from_payload(
+            other_payload, consumer, other)
+    return {**_interleaved_median_seconds(timed, settings.cost_repeats),
+            "scd_bytes_per_token": len(payload) / tokens,
+            "gpu_class_oracle_prefill_s": gpu_prefill_s}
 
 
 def cost(producer, consumer, kb, text_ids: torch.Tensor, settings: SCDBenchSettings, progress=True,
