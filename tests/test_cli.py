@@ -9,6 +9,7 @@ import importlib.util
 import inspect
 import json
 import pkgutil
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -94,9 +95,12 @@ def test_the_mirrored_library_values_are_the_library_values(monkeypatch, tmp_pat
     from hf_kvcodecs import models, text
     from hf_kvcodecs.bench import bit_split, decode, harness, kv, weights
     from hf_kvcodecs.codecs import joint, kmeans
+    from hf_kvcodecs.codecs.weight_quantization import ZERO_POINTS
     from hf_kvcodecs.gsrq import codebooks, store
+    from hf_kvcodecs.quantization import KVCodecsConfig
 
     assert defaults.DEFAULT_MODEL_NAME == models.DEFAULT_MODEL_NAME
+    assert defaults.ZERO_POINTS == ZERO_POINTS and ZERO_POINTS[0] == KVCodecsConfig().zero_point
     assert (defaults.CALIBRATION_TEXT, defaults.EVALUATION_TEXT) == (text.CALIBRATION_DEFAULT, text.EVALUATION_DEFAULT)
     assert defaults.CODEBOOK_LEARNERS == tuple(sorted(kmeans.CODEBOOK_LEARNERS))
     assert defaults.DEFAULT_LEARNER == kmeans.DEFAULT_LEARNER
@@ -154,10 +158,12 @@ def test_the_parser_defaults_are_the_library_defaults():
 
     settings = {field.name: field.default for field in dataclasses.fields(CompressSettings)}
     renamed = {"eval_text": "evaluation_text"}
-    for dest in ("weight_bits", "group_size", "symmetric", "mode", "kv", "kv_bits", "calibration_text",
+    for dest in ("weight_bits", "group_size", "symmetric", "zero_point", "mode", "kv", "kv_bits", "calibration_text",
                  "calibration_windows", "calibration_window_tokens", "eval_text", "eval_windows", "eval_context_tokens",
                  "eval_decoded_tokens", "seed"):
         assert _default(("compress",), dest) == settings[renamed.get(dest, dest)], dest
+    command = CompressSettings(model="m", zero_point="integer", kv="none").command("out")
+    assert cli.build_parser().parse_args(shlex.split(command)[1:]).zero_point == "integer"
 
     assert tuple(_option(("bench", "kv"), "learners").choices) == tuple(kv.GSRQ_LEARNERS)
     assert tuple(_option(("bench", "kv"), "baselines").choices) == tuple(harness.BASELINE_IDS)
@@ -299,6 +305,11 @@ def test_squat_cli_mirrors_the_library():
     from hf_kvcodecs.quantization.modules import WEIGHT_INITS
 
     assert squat.WEIGHT_INITS == WEIGHT_INITS
+    from hf_kvcodecs.codecs.weight_quantization import ZERO_POINTS
+
+    for command in (("squat",), ("compress",)):
+        assert tuple(_option(command, "zero_point").choices) == ZERO_POINTS
+    assert _default(("squat",), "zero_point") == defaults["zero_point"] == "float"
     assert squat.weight_grid("stretched") == {"weight_init": "stretched", "symmetric": True}
     assert _default(("squat",), "weight_init") == defaults["weight_init"] == "minmax"
     assert _default(("bench", "squat"), "weight_init") == "minmax"

@@ -1,6 +1,7 @@
-"""Export to compressed-tensors: tiny random Llamas quantized by hf_kvcodecs (W2/W3/W4/W8 min-max, a widened
-stretched W3 grid, an integer-zero-point W4 grid, a SQuaT-trained W4 student) written with
-``export_compressed_tensors`` and loaded by plain transformers in a process that never imports hf_kvcodecs."""
+"""Export to compressed-tensors: tiny random Llamas quantized by hf_kvcodecs (W2/W3/W4/W8 min-max, W3/W4/W8 with
+integer zero points, a widened stretched W3 grid, SQuaT-trained W4 students with float and integer zero points)
+written with ``export_compressed_tensors`` and loaded by plain transformers in a process that never imports
+hf_kvcodecs."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from transformers import LlamaForCausalLM, TrainingArguments
 
 pytest.importorskip("compressed_tensors")
 
-from hf_kvcodecs.codecs.weight_quantization import quantize_weight  # noqa: E402
+from hf_kvcodecs.codecs.weight_quantization import dequantize_weight  # noqa: E402
 from hf_kvcodecs.quantization import (  # noqa: E402
     KVCodecsConfig,
     PackedLinear,
@@ -32,9 +33,10 @@ from .conftest import tiny_llama_config  # noqa: E402
 
 GROUP = 32  # divides the tiny Llama's hidden size (64) and intermediate size (128)
 IDS = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(5))
-# The widened symmetric grid is exact: the checkpoint's dequantized weights are ours bit for bit, and the loaded
-# logits equal ours to float32 rounding (logits of this tiny model are ~0.6 in magnitude).
+# The widened symmetric grid and integer-zero-point grids are exact: the checkpoint's dequantized weights are ours bit
+# for bit, and the loaded logits equal ours to float32 rounding (logits of this tiny model are ~0.6 in magnitude).
 EXACT_ATOL = 1e-5
+INTEGER_CASES = {"w4_integer": 4, "w8_integer": 8, "w3_integer": 3}
 
 
 class TokenWindows(Dataset):
@@ -59,30 +61,12 @@ def logits_of(model):
     return model(input_ids=IDS, use_cache=False).logits.float()
 
 
-def integer_zero_point_model(bits: int):
-    """A tiny model quantized on integer-zero-point min-max grids, as compressed-tensors' own observer makes them
-    (range widened to include 0, offset = -zero_point * scale, both stored in float16), through hf_kvcodecs'
-    quantize_weight on a given grid."""
-    float_model = tiny_float_model()
-    model = quantize_model(copy.deepcopy(float_model), KVCodecsConfig(weight_bits=bits, group_size=GROUP))
-    levels = 2**bits - 1
-    for name, module in model.named_modules():
-        if isinstance(module, PackedLinear):
-            weight = float_model.get_submodule(name).weight.detach()
-            groups = weight.reshape(module.out_features, -1, GROUP)
-            low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
-            scale = ((high - low) / levels).half().float()
-            zero = (-low / scale).round().clamp(0, levels)
-            offset = (-zero * scale).half().float()
-            module.load_quantized(quantize_weight(weight, bits, GROUP, scale=scale, offset=offset))
-    return model
-
-
-def squat_student(tmp_path):
+def squat_student(tmp_path, zero_point="float"):
     teacher = tiny_float_model()
-    student = quantize_model(copy.deepcopy(teacher), KVCodecsConfig(weight_bits=4, group_size=GROUP, mode="fake"))
-    args = TrainingArguments(output_dir=str(tmp_path / "squat"), per_device_train_batch_size=4, max_steps=3,
-                             learning_rate=3e-4, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+    student = quantize_model(copy.deepcopy(teacher), KVCodecsConfig(weight_bits=4, group_size=GROUP, mode="fake",
+                                                                    zero_point=zero_point))
+    args = TrainingArguments(output_dir=str(tmp_path / f"squat_{zero_point}"), per_device_train_batch_size=4,
+                             max_steps=3, learning_rate=3e-4, save_strategy="no", report_to=[], seed=0, use_cpu=True,
                              disable_tqdm=True, dataloader_num_workers=0)
     # no activation quantizer at the distillation point: feature KD on the raw teacher, as run_squat sets it
     trainer = SQuaTTrainer(model=student, teacher_model=teacher, args=args, train_dataset=TokenWindows(),
@@ -99,17 +83,20 @@ def exported(tmp_path_factory):
     for name, bits in (("w4", 4), ("w8", 8), ("w3", 3), ("w2", 2)):
         model = quantize_model(tiny_float_model(), KVCodecsConfig(weight_bits=bits, group_size=GROUP))
         cases[name] = (model, {})
-    cases["w4_integer_zero_points"] = (integer_zero_point_model(4), {})
+    for name, bits in INTEGER_CASES.items():
+        config = KVCodecsConfig(weight_bits=bits, group_size=GROUP, zero_point="integer")
+        cases[name] = (quantize_model(tiny_float_model(), config), {})
     stretched = quantize_model(tiny_float_model(), KVCodecsConfig(weight_bits=3, group_size=GROUP, symmetric=True,
                                                                   mode="fake", weight_init="stretched"))
     cases["w3_stretched"] = (stretched, {"widen_symmetric": True})
     cases["squat_w4"] = (squat_student(root), {})
+    cases["squat_w4_integer"] = (squat_student(root, "integer"), {})
 
     float_logits = logits_of(tiny_float_model())
     results = {}
     for name, (model, options) in cases.items():
         report = export_compressed_tensors(model, None, root / name, check_input_ids=IDS, **options)
-        results[name] = [report, logits_of(model), float_logits]
+        results[name] = [report, logits_of(model), float_logits, model]
     save_file({"ids": IDS}, root / "ids.safetensors")
     script = textwrap.dedent(f"""
         import sys
@@ -128,7 +115,7 @@ def exported(tmp_path_factory):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
     loaded = load_file(root / "loaded.safetensors")
     for name in cases:
-        results[name].append(loaded[name])
+        results[name].insert(3, loaded[name])
     return root, results
 
 
@@ -143,7 +130,7 @@ def check_loaded_as_reported(name, report, ours, loaded):
 @pytest.mark.parametrize("name, bits", [("w4", 4), ("w8", 8), ("w3", 3), ("w2", 2)])
 def test_min_max_grids_load_in_plain_transformers_refitted_to_integer_zero_points(exported, name, bits):
     root, results = exported
-    report, ours, float_logits, loaded = results[name]
+    report, ours, float_logits, loaded, _ = results[name]
     config = json.loads((root / name / "config.json").read_text())["quantization_config"]
     group = config["config_groups"]["group_0"]["weights"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
@@ -153,7 +140,8 @@ def test_min_max_grids_load_in_plain_transformers_refitted_to_integer_zero_point
     assert json.loads((root / name / REPORT_FILE).read_text()) == report
     # min-max offsets are continuous: hardly any group has an integer zero point, the others are re-fitted
     assert report["exact_groups"] + sum(report["refit_groups"].values()) == report["groups"]
-    assert report["exact_groups"] < report["groups"] and not report["exact_grid"]
+    assert report["exact_groups"] < report["groups"] and not report["exact_grid"] and not report["exact"]
+    assert report["source"]["zero_point"] == "float"
     steps = report["weight_difference"]
     print(f"W{bits}: {report['exact_groups']}/{report['groups']} groups exact, refits {report['refit_groups']}, "
           f"weight error mean {steps['mean_in_steps']:.3f} / max {steps['max_in_steps']:.3f} steps, "
@@ -168,28 +156,59 @@ def test_min_max_grids_load_in_plain_transformers_refitted_to_integer_zero_point
     assert difference <= 2 * quantization
 
 
-def test_integer_zero_point_grid_exports_exactly(exported):
+@pytest.mark.parametrize("name", [*INTEGER_CASES, "squat_w4_integer"])
+def test_integer_zero_point_grids_export_exactly(exported, name):
     root, results = exported
-    report, ours, float_logits, loaded = results["w4_integer_zero_points"]
-    assert report["exact_grid"] and report["exact_groups"] == report["groups"]
-    assert report["weight_difference"]["max_in_steps"] < 2**-11 * 15  # the float16 rounding of the offset
-    difference = check_loaded_as_reported("w4_integer_zero_points", report, ours, loaded)
-    # Exact up to our float16 offset: -zero_point * scale rounded to float16 moves a weight by at most 2**-11 of the
-    # offset, i.e. at most 15 * 2**-11 < 1% of a step at 4 bits, where rounding to the grid moves weights by a
-    # quarter of a step on average. So the logits should move at least 20x less than quantizing moved them.
-    quantization = (ours - float_logits).abs().max().item()
-    print(f"w4_integer_zero_points: our quantized vs float max |d logits| {quantization:.3e}")
-    assert difference <= quantization / 20
+    report, ours, float_logits, loaded, _ = results[name]
+    print(f"{name}: {report['exact_groups']}/{report['groups']} groups exact, weight difference max "
+          f"{report['weight_difference']['max_abs']}")
+    assert report["exact_grid"] and report["exact_groups"] == report["groups"] == 2304
+    assert report["exact"] and report["weight_difference"]["max_abs"] == 0.0
+    assert report["source"]["zero_point"] == "integer"
+    assert report["refit_groups"] == {"nearest_zero_point": 0, "least_squares_scale": 0, "min_max_refit": 0}
+    bits = INTEGER_CASES.get(name, 4)
+    config = json.loads((root / name / "config.json").read_text())["quantization_config"]
+    assert config["config_groups"]["group_0"]["weights"]["num_bits"] == bits and "zero_point" not in config
+    assert check_loaded_as_reported(name, report, ours, loaded) <= EXACT_ATOL
+    assert report["logits_difference"]["max_abs"] <= EXACT_ATOL
+
+
+@torch.no_grad()
+def test_the_quality_cost_of_integer_zero_points_is_small(exported):
+    """Relative weight error (all quantized layers) of min-max grids with float and with integer zero points: integer
+    zero points give the grid a level at 0 and a scale the float16 offset can hold, which costs a little."""
+    _, results = exported
+    float_weights = dict(tiny_float_model().named_modules())
+
+    def relative_error(model):
+        error = reference = 0.0
+        for name, module in model.named_modules():
+            if isinstance(module, PackedLinear):
+                ours = dequantize_weight(module.weight, module.weight_scale, module.weight_offset, module.bits,
+                                         module.group_size, module.in_features).double()
+                weight = float_weights[name].weight.double()
+                error += float((ours - weight).square().sum())
+                reference += float(weight.square().sum())
+        return (error / reference) ** 0.5
+
+    for name, bits in INTEGER_CASES.items():
+        float_error, integer_error = relative_error(results[f"w{bits}"][4]), relative_error(results[name][4])
+        logits = [(results[key][1] - results[key][2]).abs().max().item() for key in (f"w{bits}", name)]
+        print(f"W{bits} relative weight error: float offsets {float_error:.5f}, integer zero points "
+              f"{integer_error:.5f} ({integer_error / float_error - 1:+.1%}); max |d logits| vs float "
+              f"{logits[0]:.3e} / {logits[1]:.3e}")
+        assert float_error < integer_error < 1.1 * float_error
 
 
 def test_stretched_w3_student_exports_exactly_as_symmetric_w4(exported):
     root, results = exported
-    report, ours, _, loaded = results["w3_stretched"]
+    report, ours, _, loaded, _ = results["w3_stretched"]
     config = json.loads((root / "w3_stretched" / "config.json").read_text())["quantization_config"]
     weights = config["config_groups"]["group_0"]["weights"]
     assert weights["num_bits"] == 4 and weights["symmetric"] is True and "dequantize" not in config
     assert report["exact_grid"] and report["weight_difference"]["max_abs"] == 0.0
-    assert report["scheme"]["num_bits"] == 4 and report["source"] == {"bits": 3, "symmetric": True, "layers": 14}
+    assert report["scheme"]["num_bits"] == 4 and report["source"] == {"bits": 3, "symmetric": True, "layers": 14,
+                                                                      "zero_point": None}
     tensors = load_file(root / "w3_stretched" / "model.safetensors")
     assert "model.layers.0.mlp.up_proj.weight_zero_point" not in tensors
     assert check_loaded_as_reported("w3_stretched", report, ours, loaded) <= EXACT_ATOL
@@ -197,23 +216,26 @@ def test_stretched_w3_student_exports_exactly_as_symmetric_w4(exported):
 
 def test_squat_student_exports_from_its_fake_quant_layers_as_from_its_packed_form(exported, tmp_path):
     root, results = exported
-    report, ours, float_logits, loaded = results["squat_w4"]
+    report, ours, float_logits, loaded, _ = results["squat_w4"]
     difference = check_loaded_as_reported("squat_w4", report, ours, loaded)
     assert difference <= 2 * (ours - float_logits).abs().max().item()  # as for the min-max grids above
     assert report["source"]["layers"] == 14 and report["groups"] == report["exact_groups"] + sum(
         report["refit_groups"].values())
 
 
-def test_fake_and_packed_forms_of_a_student_export_the_same_tensors(tmp_path):
-    student = quantize_model(tiny_float_model(), KVCodecsConfig(weight_bits=4, group_size=GROUP, mode="fake"))
+@pytest.mark.parametrize("zero_point", ["float", "integer"])
+def test_fake_and_packed_forms_of_a_student_export_the_same_tensors(tmp_path, zero_point):
+    student = quantize_model(tiny_float_model(), KVCodecsConfig(weight_bits=4, group_size=GROUP, mode="fake",
+                                                                zero_point=zero_point))
     with torch.no_grad():
         for module in student.modules():
             if hasattr(module, "weight_offset") and module.weight_offset is not None:
                 module.weight_offset.add_(0.01 * torch.randn_like(module.weight_offset))  # a "learned" grid
     packed = copy.deepcopy(student)
     pack_fake_quantized(packed)
-    export_compressed_tensors(student, None, tmp_path / "fake", check_logits=False)
-    export_compressed_tensors(packed, None, tmp_path / "packed", check_logits=False)
+    reports = [export_compressed_tensors(model, None, tmp_path / name, check_logits=False)
+               for name, model in (("fake", student), ("packed", packed))]
+    assert all(report["exact"] == (zero_point == "integer") for report in reports)
     fake_tensors, packed_tensors = (load_file(tmp_path / name / "model.safetensors") for name in ("fake", "packed"))
     assert fake_tensors.keys() == packed_tensors.keys()
     assert all(torch.equal(fake_tensors[key], packed_tensors[key]) for key in fake_tensors)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaForCausalLM
 
 import hf_kvcodecs
 from hf_kvcodecs import GSRQCache
-from hf_kvcodecs.codecs.weight_quantization import packed_width
+from hf_kvcodecs.codecs.weight_quantization import codes_for, mse_clipped_parameters, packed_width, rtn_parameters
 from hf_kvcodecs.gsrq.codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError
 from hf_kvcodecs.quantization import (
     KV_CODEBOOKS_FOLDER,
@@ -170,6 +170,90 @@ def test_fake_quant_layer_trains_its_grid_and_exports_to_the_same_function():
         assert torch.allclose(PackedLinear.from_linear(linear, bits=3, group_size=16, scale_dtype=torch.float32)(x), fake(x), atol=1e-5)
 
 
+# ---- integer zero points ----------------------------------------------------------------------------------------
+def test_the_default_zero_point_is_float_and_gives_the_min_max_codes_as_before():
+    assert KVCodecsConfig().zero_point == "float" and "zero_point" not in KVCodecsConfig().to_dict()
+    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(3))
+    groups = weight.reshape(16, 4, 32)
+    # the float-offset min-max grid, written out: scale and offset rounded to float16, codes on that grid
+    scale = ((groups.amax(-1) - groups.amin(-1)) / 15).half()
+    offset = groups.amin(-1).half()
+    codes = torch.round((groups - offset.float()[..., None]) / scale.float()[..., None]).clamp(0, 15)
+    layer = PackedLinear.from_linear(_linear(weight), bits=4, group_size=32)
+    for packed, stored_scale, stored_offset in (
+            (layer.weight, layer.weight_scale, layer.weight_offset),
+            *((q.packed, q.scale, q.offset) for q in (quantize_weight(weight, 4, 32),
+                                                       quantize_weight(weight, 4, 32, zero_point="float")))):
+        assert torch.equal(unpack_codes(packed, 4, 128).reshape(16, 4, 32).float(), codes)
+        assert torch.equal(stored_scale, scale) and torch.equal(stored_offset, offset)
+    fake = FakeQuantLinear.from_linear(_linear(weight), bits=4, group_size=32)
+    assert fake.zero_point == "float" and torch.equal(fake.weight_offset.detach(), groups.amin(-1))
+
+
+def _linear(weight):
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data.copy_(weight)
+    return linear
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_integer_zero_points_are_held_exactly_by_the_stored_scale_and_offset(bits, scale_dtype):
+    weight = torch.randn(32, 256, generator=torch.Generator().manual_seed(bits)) * 0.02
+    weight[0, :32] = weight[0, :32].abs() + 0.01  # a group of one sign: its grid still has a level at 0
+    weight[1, :32] = 0.0  # a constant group
+    levels = 2**bits - 1
+    errors = {}
+    for zero_point in ("float", "integer"):
+        q = quantize_weight(weight, bits, 32, zero_point=zero_point, scale_dtype=scale_dtype)
+        restored = dequantize_weight(q.packed, q.scale, q.offset, bits, 32, 256)
+        errors[zero_point] = float((restored - weight).norm() / weight.norm())
+    zero = -q.offset.double() / q.scale.double()
+    assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= levels
+    codes = unpack_codes(q.packed, bits, 256).reshape(32, 8, 32).double()
+    # code * scale + offset, in float32, is (code - zero) * scale exactly: the grid compressed-tensors stores
+    assert torch.equal(restored.double().reshape(32, 8, 32), (codes - zero[..., None]) * q.scale.double()[..., None])
+    assert torch.equal(restored[1, :32], weight[1, :32])
+    # the grid is min-max's up to a zero on an integer and a scale the offset can hold: within 10 % of its error
+    assert errors["float"] < errors["integer"] < 1.1 * errors["float"], errors
+    # MSE clipping with integer zero points: exact grids again, each group's error at most the min-max one's
+    clipped = mse_clipped_parameters(weight, bits, 32, False, candidates=8, zero_point="integer",
+                                     scale_dtype=scale_dtype)
+    minmax = rtn_parameters(weight, bits, 32, False, zero_point="integer", scale_dtype=scale_dtype)
+    assert all(torch.equal(t.to(scale_dtype).float(), t) for t in (*clipped, *minmax))
+    zero = -clipped[1].double() / clipped[0].double()
+    assert torch.equal(zero, zero.round())
+
+    def group_errors(scale, offset):
+        codes = codes_for(weight, scale, offset, bits, 32).reshape(32, 8, 32).float()
+        return (codes * scale[..., None] + offset[..., None] - weight.reshape(32, 8, 32)).square().sum(-1)
+
+    assert (group_errors(*clipped) <= group_errors(*minmax) * (1 + 1e-5) + 1e-12).all()
+
+
+def test_fake_quant_learns_integer_zero_points_and_packs_to_the_same_function():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 8)
+    fake = FakeQuantLinear.from_linear(linear, bits=4, group_size=16, zero_point="integer")
+    packed = PackedLinear.from_linear(linear, bits=4, group_size=16, zero_point="integer")
+    x = torch.randn(5, 64)
+    with torch.no_grad():  # starts on the packed min-max grid with integer zero points
+        assert torch.equal(fake.quantized_weight(), packed.dequantized_weight())
+    fake(x).pow(2).sum().backward()
+    assert fake.weight_scale.grad.abs().sum() > 0 and fake.weight_offset.grad.abs().sum() > 0
+    with torch.no_grad():  # a learned latent grid, off every exact one
+        fake.weight_scale.mul_(1 + 0.05 * torch.rand_like(fake.weight_scale))
+        fake.weight_offset.add_(0.3 * fake.weight_scale * torch.randn_like(fake.weight_offset))
+        scale, offset = fake.stored_grid()
+        zero = -offset.double() / scale.double()
+        assert torch.equal(zero, zero.round()) and torch.equal(scale.half().float(), scale)
+        # the forward pass runs on the grid the export stores
+        exported = fake.to_packed()
+        assert exported.zero_point == "integer" and "integer zero points" in repr(exported)
+        assert torch.equal(exported.dequantized_weight(), fake.quantized_weight())
+        assert torch.equal(exported(x), fake(x))
+
+
 # ---- config -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("settings, message", [
     ({"weight_bits": 0}, "weight_bits must be an integer from 1 to 8"),
@@ -187,6 +271,9 @@ def test_fake_quant_layer_trains_its_grid_and_exports_to_the_same_function():
     ({"kv_cache_config": {"bits": 2}}, "without kv_cache_implementation"),
     ({"kv_cache_implementation": "gsrq", "kv_cache_config": {"codebooks": "x", "bitz": 2}}, "Unknown kv_cache_config option"),
     ({"weight_bitz": 4}, "Unknown KVCodecsConfig option.*newer hf_kvcodecs"),
+    ({"zero_point": "int"}, "zero_point must be one of"),
+    ({"zero_point": "integer", "symmetric": True}, "needs weight_bits and symmetric=False"),
+    ({"zero_point": "integer", "weight_bits": None}, "needs weight_bits and symmetric=False"),
     ({"quant_method": "bitsandbytes"}, "quant_method='hf_kvcodecs'"),
     ({"format_version": 99}, "format version 99.*pip install -U hf-kvcodecs"),
 ])
@@ -204,6 +291,9 @@ def test_config_round_trips_through_its_dict_and_registration_is_idempotent():
 
     config = KVCodecsConfig(weight_bits=3, group_size=32, symmetric=True, modules_to_not_convert=["mlp"])
     assert AutoQuantizationConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    integer = KVCodecsConfig(weight_bits=4, group_size=32, zero_point="integer")
+    assert integer.to_dict()["zero_point"] == "integer"
+    assert AutoQuantizationConfig.from_dict(json.loads(json.dumps(integer.to_dict()))).zero_point == "integer"
     register()
     register()
     import importlib
@@ -380,6 +470,28 @@ def test_fake_mode_is_trainable_by_trainer_and_packs_for_deployment(float_dir, t
     packed = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=KVCodecsConfig(weight_bits=4, group_size=GROUP))
     with pytest.raises(ValueError, match="cannot perform fine-tuning on purely quantized models"):
         validate_quantization_for_training(packed)
+
+
+def test_integer_zero_points_while_loading_equal_quantizing_in_memory(float_dir, tiny_model, tmp_path):
+    config = KVCodecsConfig(weight_bits=4, group_size=GROUP, zero_point="integer")
+    loaded = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config)
+    state, expected = loaded.state_dict(), quantize_model(_copy_of(tiny_model), config).state_dict()
+    assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+    assert loaded.model.layers[0].mlp.down_proj.zero_point == "integer"
+    # a fake-quant layer quantized while loading starts from its weight_init's grid, as one made in memory
+    config = KVCodecsConfig(weight_bits=3, group_size=GROUP, zero_point="integer", mode="fake", weight_init="mse")
+    loaded = AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config)
+    layer = loaded.model.layers[0].mlp.down_proj
+    reference = FakeQuantLinear.from_linear(tiny_model.model.layers[0].mlp.down_proj, bits=3, group_size=GROUP,
+                                            zero_point="integer", weight_init="mse")
+    assert layer.zero_point == "integer"
+    assert all(torch.equal(getattr(layer, name), getattr(reference, name))
+               for name in ("weight", "weight_scale", "weight_offset"))
+    zero = -layer.weight_offset.double() / layer.weight_scale.double()
+    assert torch.equal(zero, zero.round())
+    loaded.save_pretrained(tmp_path / "fake")  # the option travels with the checkpoint
+    assert json.loads((tmp_path / "fake" / "config.json").read_text())["quantization_config"]["zero_point"] == "integer"
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "fake").model.layers[0].mlp.down_proj.zero_point == "integer"
 
 
 def test_dequantized_weight_cache_is_bit_identical_and_released(saved):

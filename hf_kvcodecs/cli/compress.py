@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ._common import add_command, add_model_arguments, add_push_arguments
-from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT
+from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT, ZERO_POINT_HELP, ZERO_POINTS
 
 
 def _weight_bits(value: str):
@@ -23,6 +23,7 @@ def add_parser(commands) -> None:
                           help="consecutive inputs of a weight row sharing one scale (and, unless --symmetric, one "
                                "offset), a power of two")
     compress.add_argument("--symmetric", action="store_true", help="symmetric grid instead of min-max")
+    compress.add_argument("--zero-point", choices=ZERO_POINTS, default=ZERO_POINTS[0], help=ZERO_POINT_HELP)
     compress.add_argument("--mode", default="packed", choices=["packed", "fake"],
                           help="'packed': codes packed into int32 words with their scales; 'fake': float weights with "
                                "fake quantization, for quantization-aware training")
@@ -66,8 +67,9 @@ def command(args) -> int:
         torch.set_num_threads(args.threads)
     settings = CompressSettings(
         model=args.model, weight_bits=args.weight_bits, group_size=args.group_size, symmetric=args.symmetric,
-        mode=args.mode, kv=args.kv, kv_bits=args.kv_bits, calibration_text=args.calibration_text,
-        calibration_windows=args.calibration_windows, calibration_window_tokens=args.calibration_window_tokens,
+        zero_point=args.zero_point, mode=args.mode, kv=args.kv, kv_bits=args.kv_bits,
+        calibration_text=args.calibration_text, calibration_windows=args.calibration_windows,
+        calibration_window_tokens=args.calibration_window_tokens,
         evaluation_text=args.eval_text, eval_windows=args.eval_windows, eval_context_tokens=args.eval_context_tokens,
         eval_decoded_tokens=args.eval_decoded_tokens, seed=args.seed, codebooks=args.codebooks,
     )

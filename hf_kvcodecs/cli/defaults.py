@@ -5,6 +5,10 @@ They live in modules that import torch (or the benchmark harness); copied here, 
 """
 
 DEFAULT_MODEL_NAME = "default"  # models.DEFAULT_MODEL_NAME
+ZERO_POINTS = ("float", "integer")  # codecs.weight_quantization.ZERO_POINTS; the first is KVCodecsConfig's default
+ZERO_POINT_HELP = ("offset of the asymmetric weight grid: 'float' (min-max: the group's minimum) or 'integer' "
+                   "(-zero_point * scale with an integer zero point, held exactly: compressed-tensors' grid, so "
+                   "`hf-kvcodecs export` writes it exactly; slightly less accurate)")
 CALIBRATION_TEXT = "python-docs"  # text.CALIBRATION_DEFAULT
 EVALUATION_TEXT = "debian-licenses"  # text.EVALUATION_DEFAULT
 # where `ensure_codebooks` keeps calibrated codebooks when no store is given (gsrq.store.default_store)

@@ -50,6 +50,7 @@ def command(args) -> int:
         "out": str(args.out),
         "model": loaded.description,
         "scheme": report["scheme"],
+        "exact": report["exact"],
         "exact_groups": f"{report['exact_groups']} of {report['groups']}",
         "refit_groups": report["refit_groups"],
         "weight_difference": report["weight_difference"],

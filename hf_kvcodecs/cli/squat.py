@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 
 from ._common import add_command, add_model_arguments, load_model, positive_int
-from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT
+from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT, ZERO_POINT_HELP, ZERO_POINTS
 
 # Mirrors of training.run.ARMS and SQuaTRunSettings (the parser imports no torch-based module); tests/test_cli.py
 # checks them against the library.
 SQUAT_ARMS = ("cross-entropy", "logit-kd", "raw-teacher-feature", "squat")
 SQUAT_RUN = {"steps": 100, "sequence_tokens": 512, "batch_size": 4, "learning_rate": 1e-4,
              "quantizer_learning_rate": 1e-5, "group_size": 64, "eval_windows": 8, "eval_tokens": 1024, "seed": 0,
-             "activation_granularity": "channel", "activation_modules": None, "activation_step_learning_rate": None}
+             "activation_granularity": "channel", "activation_modules": None, "activation_step_learning_rate": None,
+             "zero_point": "float"}
 ACTIVATION_GRANULARITIES = ("tensor", "channel")
 # Mirror of quantization.modules.WEIGHT_INITS; "stretched" is ParetoQ's symmetric grid, the others are min-max grids.
 WEIGHT_INITS = ("minmax", "stretched", "mse")
@@ -44,6 +45,8 @@ def add_parser(commands) -> None:
     squat.add_argument("--weight-init", choices=WEIGHT_INITS, default="minmax", help=WEIGHT_INIT_HELP)
     squat.add_argument("--stretched", dest="weight_init", action="store_const", const="stretched",
                        help="same as --weight-init stretched")
+    squat.add_argument("--zero-point", choices=ZERO_POINTS, default=SQUAT_RUN["zero_point"],
+                       help=ZERO_POINT_HELP + "; learned through a straight-through rounding")
     squat.add_argument("--arm", choices=SQUAT_ARMS, default="squat",
                        help="objective: SQuaT, or an ablation (raw-teacher-feature, logit-kd, cross-entropy)")
     squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps")
@@ -79,6 +82,7 @@ def run(args) -> int:
         weight_bits=args.weight_bits, activation_bits=None if args.act_bits == 16 else args.act_bits,
         activation_granularity=args.act_granularity, activation_modules=args.act_modules,
         activation_step_learning_rate=args.act_step_lr, group_size=args.group_size, **weight_grid(args.weight_init),
+        zero_point=args.zero_point,
         arm=args.arm, steps=args.steps, sequence_tokens=args.seq_len, batch_size=args.batch_size,
         learning_rate=args.lr, quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
         eval_tokens=args.eval_tokens, seed=args.seed)

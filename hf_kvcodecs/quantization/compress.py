@@ -44,6 +44,7 @@ class CompressSettings:
     weight_bits: int | None = 4
     group_size: int = 64
     symmetric: bool = False
+    zero_point: str = "float"  # KVCodecsConfig.zero_point
     mode: str = "packed"
     kv: str = "gsrq"
     kv_bits: float = 2.0
@@ -80,13 +81,15 @@ class CompressSettings:
 
     def quantization_config(self) -> KVCodecsConfig:
         return KVCodecsConfig(weight_bits=self.weight_bits, group_size=self.group_size, symmetric=self.symmetric,
-                              mode=self.mode)
+                              zero_point=self.zero_point, mode=self.mode)
 
     def command(self, out: str | Path, push_to_hub: str | None = None) -> str:
         """The ``hf-kvcodecs compress`` command line that reproduces these settings."""
         args = ["hf-kvcodecs", "compress", "--model", self.model]
         args += ["--weight-bits", "none" if self.weight_bits is None else str(self.weight_bits)]
         args += ["--group-size", str(self.group_size)] + (["--symmetric"] if self.symmetric else [])
+        if self.zero_point != "float":
+            args += ["--zero-point", self.zero_point]
         if self.mode != "packed":
             args += ["--mode", self.mode]
         args += ["--kv", self.kv]
@@ -145,8 +148,10 @@ def compress(settings: CompressSettings, out: str | Path, *, push_to_hub: str | 
         converted = quantized_modules(model)
         weights = {
             "bits": settings.weight_bits, "group_size": settings.group_size, "symmetric": settings.symmetric,
+            "zero_point": None if settings.symmetric else settings.zero_point,
             "scale_dtype": model.hf_quantizer.quantization_config.scale_dtype, "mode": settings.mode,
-            "method": "round-to-nearest, " + ("symmetric absmax" if settings.symmetric else "min-max") + " per group",
+            "method": "round-to-nearest, " + ("symmetric absmax" if settings.symmetric else "min-max") + " per group"
+                      + (", integer zero points" if settings.zero_point == "integer" else ""),
             "converted_layers": len(converted),
             "kept_float": sorted(model.hf_quantizer.modules_to_not_convert),
         }

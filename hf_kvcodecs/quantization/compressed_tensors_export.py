@@ -14,7 +14,11 @@ How our grids map onto compressed-tensors' integer grids, per group of ``group_s
   group whose weights all share a sign), the grid whose nearest codes have the smallest squared error against our
   dequantized weights is kept. Min-max, MSE-clipped and learned offsets are continuous, so in practice almost every
   group is re-fitted, which moves weights about as much as rounding to the grid did (a quarter of a step on
-  average): the returned report says how many groups, and the weight and logits differences.
+  average): the returned report says how many groups, and the weight and logits differences. Grids quantized or
+  trained with ``zero_point="integer"`` (``KVCodecsConfig``) hold ``offset == -zero * scale`` exactly, so every group
+  maps exactly (an integer-zero-point layer with a group that does not is an error) and, when the checkpoint's
+  scale dtype holds our scales (float16 scales in a float16 or float32 model, bfloat16 ones in a bfloat16 or
+  float32 model), its weights are ours bit for bit: the report's ``exact``.
 - Symmetric (including ParetoQ's stretched grid): ours is mid-rise, ``w = (code - (2**bits - 1) / 2) * scale``, with
   levels at odd multiples of ``scale / 2`` and no zero level; compressed-tensors' symmetric grid has a zero level,
   and its asymmetric one would need a zero point of one half. No ``bits``-bit checkpoint holds it exactly, so it is
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +44,8 @@ from torch import nn
 
 from ..codecs.weight_quantization import dequantize_weight, unpack_codes
 from .modules import FakeQuantLinear, PackedLinear
+
+logger = logging.getLogger(__name__)
 
 MIN_COMPRESSED_TENSORS = "0.19"
 REPORT_FILE = "hf_kvcodecs_export.json"
@@ -102,6 +109,7 @@ def export_compressed_tensors(model: nn.Module, tokenizer=None, out_dir: str | P
 
     layers = _quantized_layers(model)
     bits, group_size, symmetric = _common_scheme(layers)
+    zero_points = {getattr(layer, "zero_point", "float") for layer in layers.values()}
     _check_exportable(layers, bits, symmetric, widen_symmetric, drop_activation_quantization)
     out_bits = bits + 1 if symmetric else bits
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
@@ -130,6 +138,11 @@ def export_compressed_tensors(model: nn.Module, tokenizer=None, out_dir: str | P
                          None if offset is None else torch.cat([b.zero_point for b in blocks]),
                          sum(b.exact_groups for b in blocks))
         exact_groups += mapped.exact_groups
+        if getattr(layer, "zero_point", "float") == "integer" and mapped.exact_groups != mapped.zero_point.numel():
+            raise RuntimeError(
+                f"{name} has integer zero points, yet {mapped.zero_point.numel() - mapped.exact_groups} of its groups "
+                "have an offset that is not -zero_point * scale: its scales or offsets were changed after it was "
+                "quantized. Quantize it again with zero_point='integer'.")
         for b in blocks:
             for key, count in b.refit_groups.items():
                 refit_groups[key] += count
@@ -168,23 +181,33 @@ def export_compressed_tensors(model: nn.Module, tokenizer=None, out_dir: str | P
         tokenizer.save_pretrained(out_dir)
 
     groups = exact_groups + sum(refit_groups.values())
+    weight_difference = errors.summary()
     report = {
         "format": "compressed-tensors",
         "compressed_tensors_version": compressed_tensors_version,
         "scheme": {"num_bits": out_bits, "group_size": group_size, "symmetric": symmetric, "strategy": "group",
                    "format": "pack-quantized", "scale_dtype": str(storage_dtype).removeprefix("torch.")},
-        "source": {"bits": bits, "symmetric": symmetric, "layers": len(layers)},
+        "source": {"bits": bits, "symmetric": symmetric, "layers": len(layers),
+                   "zero_point": None if symmetric else next(iter(zero_points)) if len(zero_points) == 1 else "mixed"},
         "ignored": list(compressor.quantization_config.ignore or []),
         "groups": groups,
         "exact_groups": exact_groups,
         "refit_groups": refit_groups,
         "exact_grid": exact_groups == groups,
-        "weight_difference": errors.summary(),
+        # the checkpoint dequantizes (in float32) to our weights bit for bit
+        "exact": weight_difference["max_abs"] == 0.0,
+        "weight_difference": weight_difference,
         "dropped": {"activation_quantization": _has_activation_quantizers(layers),
                     "kv_cache_implementation": dropped_cache},
         "loads_with_compressed_tensors": LOADS_WITH.get(out_bits, f">={MIN_COMPRESSED_TENSORS}"),
         "transformers_dequantize_on_load": not symmetric,
     }
+    if "integer" in zero_points and not report["exact"]:
+        logger.warning(
+            "The integer-zero-point grid maps exactly, but the checkpoint stores scales in the model's dtype (%s), "
+            "which does not hold every one of ours: weights move by up to %.3g. Quantize with scale_dtype=%r for a "
+            "bit-exact export.", report["scheme"]["scale_dtype"], weight_difference["max_abs"],
+            report["scheme"]["scale_dtype"])
     if check_logits:
         report["logits_difference"] = _compare_logits(model, plain, compressor, tokenizer, check_input_ids)
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -8,7 +8,7 @@ from typing import Any
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..codecs.learnable import ACTIVATION_GRANULARITIES, check_activation_bits
-from ..codecs.weight_quantization import SCALE_DTYPES, check_bits
+from ..codecs.weight_quantization import SCALE_DTYPES, ZERO_POINTS, check_bits
 from .kv_artifacts import GSRQ_CODEBOOKS, KV_ARTIFACTS, kv_artifact
 from .modules import WEIGHT_INITS
 
@@ -39,6 +39,14 @@ class KVCodecsConfig(QuantizationConfigMixin):
             converted layer's ``in_features`` must be a multiple of it.
         symmetric (`bool`, defaults to `False`):
             Symmetric grid (one scale per group) instead of min-max (scale and offset per group).
+        zero_point (`str`, defaults to `"float"`):
+            The offset of an asymmetric grid: ``"float"``, any value (min-max: the group's minimum), or
+            ``"integer"``, ``-zero * scale`` with an integer zero point, chosen so that the stored scale and offset
+            hold it exactly. Integer zero points are compressed-tensors' (GPTQ's, AWQ's) grid, so such a model
+            exports to compressed-tensors exactly (``export_compressed_tensors``); they cost a little accuracy (the
+            grid always has a level at 0, and its scale is rounded to one whose multiples the offset can hold).
+            Packed tensors are laid out as with float offsets. Fake-quant layers learn the scale and the zero point
+            through straight-through roundings.
         activation_bits (`int` or `None`, defaults to `None`):
             Bits of the inputs of the converted layers (2 to 8), fake-quantized on a learned LSQ step before each
             matmul, in training and at inference. ``None`` (or 16) keeps activations in floating point. Needs
@@ -83,6 +91,7 @@ class KVCodecsConfig(QuantizationConfigMixin):
         group_size: int = 64,
         symmetric: bool = False,
         mode: str = "packed",
+        zero_point: str = "float",
         modules_to_not_convert: list[str] | None = None,
         scale_dtype: str = "float16",
         activation_bits: int | None = None,
@@ -101,8 +110,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
             raise ValueError(
                 f"Unknown KVCodecsConfig option(s) {sorted(kwargs)}. Valid options: weight_bits, group_size, symmetric, "
                 "mode, modules_to_not_convert, scale_dtype, activation_bits, activation_granularity, activation_modules, "
-                "weight_init, kv_cache_implementation, kv_cache_config. If they come from a checkpoint's config.json, it "
-                "was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
+                "weight_init, zero_point, kv_cache_implementation, kv_cache_config. If they come from a checkpoint's "
+                "config.json, it was written by a newer hf_kvcodecs: `pip install -U hf-kvcodecs`."
             )
         self.quant_method = QUANT_METHOD
         self.weight_bits = weight_bits
@@ -116,6 +125,7 @@ class KVCodecsConfig(QuantizationConfigMixin):
         self.activation_modules = ([activation_modules] if isinstance(activation_modules, str)
                                    else None if activation_modules is None else list(activation_modules))
         self.weight_init = weight_init
+        self.zero_point = zero_point
         self.kv_cache_implementation = kv_cache_implementation
         self.kv_cache_config = None if kv_cache_config is None else dict(kv_cache_config)
         self.format_version = format_version
@@ -165,6 +175,11 @@ class KVCodecsConfig(QuantizationConfigMixin):
         if self.weight_init == "stretched" and not self.symmetric:
             raise ValueError("weight_init='stretched' is ParetoQ's symmetric grid without a zero level; set "
                              "symmetric=True with it.")
+        if self.zero_point not in ZERO_POINTS:
+            raise ValueError(f"zero_point must be one of {ZERO_POINTS}, got {self.zero_point!r}.")
+        if self.zero_point == "integer" and (self.symmetric or not self.quantizes_weights):
+            raise ValueError("zero_point='integer' chooses the offset of an asymmetric weight grid: it needs "
+                             "weight_bits and symmetric=False.")
         if self.modules_to_not_convert is not None and not all(isinstance(m, str) for m in self.modules_to_not_convert):
             raise ValueError("modules_to_not_convert must be a list of module names (strings).")
         self._check_kv_cache()
@@ -200,7 +215,8 @@ class KVCodecsConfig(QuantizationConfigMixin):
             ("activation_bits", self.activation_bits, None),
             ("activation_granularity", self.activation_granularity, "tensor"),
             ("activation_modules", None if self.activation_modules is None else list(self.activation_modules), None),
-            ("weight_init", self.weight_init, "minmax")) if value != default}
+            ("weight_init", self.weight_init, "minmax"),
+            ("zero_point", self.zero_point, "float")) if value != default}
         return {
             "quant_method": self.quant_method,
             "format_version": ACTIVATION_FORMAT_VERSION if self.activation_bits is not None else 1,

@@ -15,8 +15,10 @@ from ..codecs.learnable import LSQActivationQuantizer, stretched_symmetric_scale
 from ..codecs.weight_quantization import (
     SCALE_DTYPES,
     check_bits,
+    check_zero_point,
     dequantize_weight,
     fake_quantize,
+    integer_zero_point_grid,
     mse_clipped_parameters,
     packed_width,
     quantize_weight,
@@ -25,6 +27,20 @@ from ..codecs.weight_quantization import (
 
 logger = logging.getLogger(__name__)
 WEIGHT_INITS = ("minmax", "stretched", "mse")
+
+
+def initial_weight_grid(weight: torch.Tensor, *, bits: int, group_size: int, symmetric: bool, weight_init: str,
+                        zero_point: str, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 ``(scale, offset)`` a fake-quant layer's grid starts from (``weight_init``, ``zero_point``): the
+    one source for :meth:`FakeQuantLinear.reset_quantizer_parameters` and quantization while loading."""
+    weight = weight.detach()
+    if weight_init == "mse":
+        return mse_clipped_parameters(weight, bits, group_size, symmetric, zero_point=zero_point,
+                                      scale_dtype=scale_dtype)
+    scale, offset = rtn_parameters(weight, bits, group_size, symmetric, zero_point=zero_point, scale_dtype=scale_dtype)
+    if weight_init == "stretched":
+        scale = stretched_symmetric_scale(weight.float().reshape(weight.shape[0], -1, group_size), bits)
+    return scale, offset
 
 
 def _input_quantizer(activation_bits, in_features, granularity, device, trainable: bool):
@@ -46,17 +62,19 @@ class PackedLinear(nn.Module):
     """A linear layer whose weight is stored as packed low-bit codes (see :mod:`hf_kvcodecs.codecs.weight_quantization`).
 
     State dict: ``weight`` (int32 packed codes, never the float shape), ``weight_scale``, ``weight_offset`` (only
-    when asymmetric) and ``bias``; with ``activation_bits``, also ``input_quantizer.step`` and
-    ``input_quantizer.initialized``: the input is then quantized on that learned grid before the matmul, as in
-    training. The forward pass dequantizes the weight to the input's dtype and runs a float matmul; inside
-    :func:`dequantized_weight_cache` the dequantized weight is kept between calls instead.
+    when asymmetric; with ``zero_point="integer"``, ``-zero * scale`` exactly, in the same tensor: see
+    :mod:`hf_kvcodecs.codecs.weight_quantization`) and ``bias``; with ``activation_bits``, also
+    ``input_quantizer.step`` and ``input_quantizer.initialized``: the input is then quantized on that learned grid
+    before the matmul, as in training. The forward pass dequantizes the weight to the input's dtype and runs a float
+    matmul; inside :func:`dequantized_weight_cache` the dequantized weight is kept between calls instead.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
                  symmetric: bool = False, scale_dtype: torch.dtype = torch.float16, activation_bits: int | None = None,
-                 activation_granularity: str = "tensor", device=None, dtype=None):
+                 activation_granularity: str = "tensor", zero_point: str = "float", device=None, dtype=None):
         super().__init__()
         check_bits(bits)
+        self.zero_point = check_zero_point(zero_point, symmetric)
         if in_features % group_size:
             raise ValueError(f"in_features={in_features} is not a multiple of group_size={group_size}.")
         width = packed_width(in_features, bits)
@@ -81,11 +99,13 @@ class PackedLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
-                    scale_dtype: torch.dtype = torch.float16) -> PackedLinear:
+                    scale_dtype: torch.dtype = torch.float16, zero_point: str = "float") -> PackedLinear:
         """Round-to-nearest quantize a float ``nn.Linear``."""
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
-                     symmetric=symmetric, scale_dtype=scale_dtype, device=linear.weight.device, dtype=linear.weight.dtype)
-        module.load_quantized(quantize_weight(linear.weight.detach(), bits, group_size, symmetric=symmetric, scale_dtype=scale_dtype))
+                     symmetric=symmetric, scale_dtype=scale_dtype, zero_point=zero_point, device=linear.weight.device,
+                     dtype=linear.weight.dtype)
+        module.load_quantized(quantize_weight(linear.weight.detach(), bits, group_size, symmetric=symmetric,
+                                              scale_dtype=scale_dtype, zero_point=zero_point))
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.detach())
         return module
@@ -127,6 +147,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "asymmetric"
+        kind += ", integer zero points" if self.zero_point == "integer" else ""
         activations = "" if self.input_quantizer is None else f", activation_bits={self.input_quantizer.bits}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"bits={self.bits}, group_size={self.group_size}, {kind}{activations}")
@@ -142,7 +163,11 @@ class FakeQuantLinear(nn.Linear):
     min-max grid clipped per group to its least squared error, see
     :func:`~hf_kvcodecs.codecs.weight_quantization.mse_clipped_parameters`) and trained with LSQ gradients through
     :func:`~hf_kvcodecs.codecs.weight_quantization.fake_quantize` on the grid rounded to ``scale_dtype``, the one the
-    export stores (:meth:`stored_grid`). With ``activation_bits``, the input goes
+    export stores (:meth:`stored_grid`). With ``zero_point="integer"`` the forward pass uses, instead, the nearest
+    grid whose offset is ``-zero * scale`` with an integer zero, exact in ``scale_dtype`` (the one the export stores,
+    and the one compressed-tensors holds exactly), and ``weight_scale``/``weight_offset`` are its latent float
+    parameters: the zero point ``round(-offset / scale)`` and the exact scale are straight-through roundings of them,
+    so they receive the same LSQ gradients as a float-offset grid. With ``activation_bits``, the input goes
     through ``input_quantizer`` (a learnable LSQ step, :class:`~hf_kvcodecs.codecs.learnable.LSQActivationQuantizer`)
     first. Subclasses can override :meth:`quantized_weight` to change the quantizer. :meth:`to_packed` exports the
     trained layer to a :class:`PackedLinear` on the learned grids.
@@ -150,8 +175,10 @@ class FakeQuantLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int, group_size: int,
                  symmetric: bool = False, activation_bits: int | None = None, activation_granularity: str = "tensor",
-                 weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16, device=None, dtype=None):
+                 weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16, zero_point: str = "float",
+                 device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.zero_point = check_zero_point(zero_point, symmetric)
         if scale_dtype not in SCALE_DTYPES.values():
             raise ValueError(f"scale_dtype must be one of {list(SCALE_DTYPES.values())}, got {scale_dtype!r}.")
         self.scale_dtype = scale_dtype
@@ -172,11 +199,12 @@ class FakeQuantLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, bits: int, group_size: int, symmetric: bool = False,
                     activation_bits: int | None = None, activation_granularity: str = "tensor",
-                    weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16) -> FakeQuantLinear:
+                    weight_init: str = "minmax", scale_dtype: torch.dtype = torch.float16,
+                    zero_point: str = "float") -> FakeQuantLinear:
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, bits=bits, group_size=group_size,
                      symmetric=symmetric, activation_bits=activation_bits, activation_granularity=activation_granularity,
-                     weight_init=weight_init, scale_dtype=scale_dtype, device=linear.weight.device,
-                     dtype=linear.weight.dtype)
+                     weight_init=weight_init, scale_dtype=scale_dtype, zero_point=zero_point,
+                     device=linear.weight.device, dtype=linear.weight.dtype)
         with torch.no_grad():
             module.weight.copy_(linear.weight)
             if linear.bias is not None:
@@ -185,14 +213,10 @@ class FakeQuantLinear(nn.Linear):
         return module
 
     def reset_quantizer_parameters(self) -> None:
-        """(Re)initialise the weight grid from the current weight (``weight_init``)."""
-        if self.weight_init == "mse":
-            scale, offset = mse_clipped_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
-        else:
-            scale, offset = rtn_parameters(self.weight.detach(), self.bits, self.group_size, self.symmetric)
-        if self.weight_init == "stretched":
-            groups = self.weight.detach().float().reshape(self.out_features, -1, self.group_size)
-            scale = stretched_symmetric_scale(groups, self.bits)
+        """(Re)initialise the weight grid from the current weight (``weight_init``, ``zero_point``)."""
+        scale, offset = initial_weight_grid(self.weight, bits=self.bits, group_size=self.group_size,
+                                            symmetric=self.symmetric, weight_init=self.weight_init,
+                                            zero_point=self.zero_point, scale_dtype=self.scale_dtype)
         with torch.no_grad():
             # A zero scale would divide by zero in the forward pass; the smallest normal float is harmless instead.
             self.weight_scale.copy_(scale.clamp_min(torch.finfo(self.weight_scale.dtype).tiny))
@@ -202,14 +226,35 @@ class FakeQuantLinear(nn.Linear):
     def stored_grid(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(scale, offset)`` rounded to ``scale_dtype``, as the packed export stores them, with straight-through
         gradients. Training on the stored grid is what makes the export exact: with quantized activations a grid
-        rounded only at export moves some layer outputs across an activation step, and the error compounds."""
+        rounded only at export moves some layer outputs across an activation step, and the error compounds. With
+        ``zero_point="integer"``, the grid of :meth:`integer_grid` instead, with straight-through gradients to the
+        latent scale and offset."""
         tiny = torch.finfo(self.scale_dtype).tiny
         scale = self.weight_scale.clamp_min(tiny)
-        scale = scale + (scale.to(self.scale_dtype).to(scale.dtype) - scale).detach()
         offset = self.weight_offset
+        if self.zero_point == "integer":
+            exact_scale, exact_offset = self.integer_grid()
+            return (scale + (exact_scale.to(scale.dtype) - scale).detach(),
+                    offset + (exact_offset.to(offset.dtype) - offset).detach())
+        scale = scale + (scale.to(self.scale_dtype).to(scale.dtype) - scale).detach()
         if offset is not None:
             offset = offset + (offset.to(self.scale_dtype).to(offset.dtype) - offset).detach()
         return scale, offset
+
+    @torch.no_grad()
+    def integer_grid(self, scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The integer-zero-point grid nearest to the latent one, exact in ``scale_dtype`` (default: the layer's):
+        float32 ``(scale, offset == -zero * scale)``. Of the candidates of
+        :func:`~hf_kvcodecs.codecs.weight_quantization.integer_zero_point_grid` for the latent grid's range
+        ``[offset, offset + (2**bits - 1) * scale]``, the one with the least rounding error on the current weight; a
+        latent grid that is already exact is its own."""
+        scale_dtype = scale_dtype or self.scale_dtype
+        scale = self.weight_scale.detach().float().clamp_min(torch.finfo(scale_dtype).tiny)
+        low = self.weight_offset.detach().float()
+        groups = self.weight.detach().float().reshape(self.out_features, -1, self.group_size)
+        exact_scale, exact_offset, _ = integer_zero_point_grid(groups, low, low + (2**self.bits - 1) * scale,
+                                                               self.bits, scale_dtype)
+        return exact_scale, exact_offset
 
     def quantized_weight(self) -> torch.Tensor:
         return fake_quantize(self.weight, *self.stored_grid(), self.bits, self.group_size)
@@ -229,10 +274,14 @@ class FakeQuantLinear(nn.Linear):
                               group_size=self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
                               activation_bits=None if self.input_quantizer is None else self.input_quantizer.bits,
                               activation_granularity="tensor" if self.input_quantizer is None
-                              else self.input_quantizer.granularity,
+                              else self.input_quantizer.granularity, zero_point=self.zero_point,
                               device=self.weight.device, dtype=self.weight.dtype)
         _copy_input_quantizer(self.input_quantizer, module.input_quantizer)
-        scale, offset = self.stored_grid() if scale_dtype == self.scale_dtype else (self.weight_scale, self.weight_offset)
+        if self.zero_point == "integer":  # in float32, which holds every value of the scale dtypes exactly
+            scale, offset = self.integer_grid(scale_dtype)
+        else:
+            scale, offset = self.stored_grid() if scale_dtype == self.scale_dtype else (self.weight_scale,
+                                                                                      self.weight_offset)
         module.load_quantized(quantize_weight(
             self.weight.detach(), self.bits, self.group_size, symmetric=self.symmetric, scale_dtype=scale_dtype,
             scale=scale.detach(), offset=None if offset is None else offset.detach(),
@@ -252,8 +301,9 @@ class FakeQuantLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         activations = "" if self.input_quantizer is None else f", activation_bits={self.input_quantizer.bits}"
+        zero_point = ", zero_point='integer'" if self.zero_point == "integer" else ""
         return (super().extra_repr() + f", bits={self.bits}, group_size={self.group_size}, symmetric={self.symmetric}"
-                + activations)
+                + zero_point + activations)
 
 
 QUANTIZED_LINEAR_TYPES = (PackedLinear, FakeQuantLinear)
@@ -264,7 +314,7 @@ def empty_quantized_linear(linear: nn.Linear, config, *, quantize_input: bool = 
     ``quantize_input=False``: no activation quantizer even with ``config.activation_bits`` (a layer outside
     ``config.activation_modules``)."""
     common = dict(bits=config.weight_bits, group_size=config.group_size, symmetric=config.symmetric,
-                  activation_bits=config.activation_bits if quantize_input else None,
+                  zero_point=config.zero_point, activation_bits=config.activation_bits if quantize_input else None,
                   activation_granularity=config.activation_granularity,
                   dtype=linear.weight.dtype, device=linear.weight.device)
     bias = linear.bias is not None
@@ -282,13 +332,14 @@ def quantized_from_linear(linear: nn.Linear, config, *, quantize_input: bool = T
         return FakeQuantLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
                                            symmetric=config.symmetric, activation_bits=activation_bits,
                                            activation_granularity=config.activation_granularity,
-                                           weight_init=config.weight_init,
+                                           weight_init=config.weight_init, zero_point=config.zero_point,
                                            scale_dtype=SCALE_DTYPES[config.scale_dtype])
     if activation_bits is not None:
         raise ValueError("Activation quantization needs a learned step per layer: quantize with mode='fake', train "
                          "(e.g. hf_kvcodecs.training.SQuaTTrainer), then pack_fake_quantized(model).")
     return PackedLinear.from_linear(linear, bits=config.weight_bits, group_size=config.group_size,
-                                    symmetric=config.symmetric, scale_dtype=SCALE_DTYPES[config.scale_dtype])
+                                    symmetric=config.symmetric, scale_dtype=SCALE_DTYPES[config.scale_dtype],
+                                    zero_point=config.zero_point)
 
 
 def linear_layers_to_convert(model: nn.Module, config, modules_to_not_convert) -> list[str]:

@@ -29,7 +29,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 
-from ..codecs.weight_quantization import SCALE_DTYPES, quantize_weight, rtn_parameters
+from ..codecs.weight_quantization import SCALE_DTYPES, quantize_weight
 from ..gsrq.codebooks import GSRQCodebooks
 from ..hub import looks_like_repo_id
 from ..integrations.loading import (
@@ -46,6 +46,7 @@ from .modules import (
     FakeQuantLinear,
     activation_quantized_layers,
     empty_quantized_linear,
+    initial_weight_grid,
     linear_layers_to_convert,
     quantized_from_linear,
 )
@@ -69,14 +70,17 @@ class QuantizeOnLoad(ConversionOps):
         module = model.get_submodule(module_name)
         config = self.hf_quantizer.quantization_config
         if isinstance(module, FakeQuantLinear):
-            scale, offset = rtn_parameters(weight, config.weight_bits, config.group_size, config.symmetric)
+            scale, offset = initial_weight_grid(weight, bits=config.weight_bits, group_size=config.group_size,
+                                                symmetric=config.symmetric, weight_init=config.weight_init,
+                                                zero_point=config.zero_point,
+                                                scale_dtype=SCALE_DTYPES[config.scale_dtype])
             dtype = module.weight.dtype
             tensors = {"weight": weight.to(dtype), "weight_scale": scale.clamp_min(torch.finfo(dtype).tiny).to(dtype)}
             if offset is not None:
                 tensors["weight_offset"] = offset.to(dtype)
         else:
             quantized = quantize_weight(weight, config.weight_bits, config.group_size, symmetric=config.symmetric,
-                                        scale_dtype=SCALE_DTYPES[config.scale_dtype])
+                                        scale_dtype=SCALE_DTYPES[config.scale_dtype], zero_point=config.zero_point)
             tensors = {"weight": quantized.packed, "weight_scale": quantized.scale}
             if quantized.offset is not None:
                 tensors["weight_offset"] = quantized.offset

@@ -44,6 +44,7 @@ class SQuaTRunSettings:
     group_size: int = 64
     symmetric: bool = False
     weight_init: str = "minmax"
+    zero_point: str = "float"  # KVCodecsConfig.zero_point
     arm: str = "squat"
     steps: int = 100
     sequence_tokens: int = 512
@@ -133,6 +134,7 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
         parameter.requires_grad_(False)
     config = KVCodecsConfig(weight_bits=settings.weight_bits, group_size=settings.group_size, mode="fake",
                             symmetric=settings.symmetric, weight_init=settings.weight_init,
+                            zero_point=settings.zero_point,
                             activation_bits=settings.activation_bits,
                             activation_granularity=settings.activation_granularity,
                             activation_modules=settings.activation_modules if settings.activation_bits else None)
@@ -188,7 +190,9 @@ def run_squat(loaded, train_ids: torch.Tensor, eval_ids: torch.Tensor, settings:
 def report_markdown(report: dict) -> str:
     settings = report["settings"]
     activation = settings["activation_bits"] or 16
-    lines = [f"# SQuaT student: W{settings['weight_bits']}A{activation} g{settings['group_size']}, arm {settings['arm']}",
+    zero_points = ", integer zero points" if settings.get("zero_point") == "integer" else ""
+    lines = [f"# SQuaT student: W{settings['weight_bits']}A{activation} g{settings['group_size']}{zero_points}, arm "
+             f"{settings['arm']}",
              "", f"Base model: {report['model']}. Training text: {report['train_text']}; evaluation text: "
              f"{report['eval_text']} ({settings['eval_windows']} windows of {settings['eval_tokens']} tokens, paired "
              "per window with the float teacher).", "",
