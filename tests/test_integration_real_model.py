@@ -85,9 +85,16 @@ def test_pipeline_chat_with_gsrq(real, real_codebooks):
     assert reply["role"] == "assistant" and reply["content"].strip()
 
 
-def test_cli_calibrate_writes_a_loadable_codebook_directory(real, tmp_path, capsys):
-    from hf_kvcodecs.cli import main
+def test_cli_calibrate_writes_a_loadable_codebook_directory(real, tmp_path, capsys, monkeypatch):
+    import functools
 
+    from hf_kvcodecs.cli import main
+    from hf_kvcodecs.gsrq import calibrate as calibrate_module
+
+    # this test is about the command (its flags reach the fit, its output loads); the fit's quality is the fixture's
+    # test, so the k-means runs at the fixture's small sizes instead of the defaults' 12 iterations on 8,192 rows
+    monkeypatch.setattr(calibrate_module, "GSRQFitSettings", functools.partial(
+        calibrate_module.GSRQFitSettings, holdout_windows=1, n_iter=4, fit_rows=2048))
     out = tmp_path / "cli_codebooks"
     assert main(["calibrate", "--out", str(out), "--bits", "1", "--windows", "2", "--learner", "gskm-principal"]) == 0
     summary = json.loads(capsys.readouterr().out)
