@@ -40,6 +40,16 @@ def float32_key_tables(request, monkeypatch):
         monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "float32")
 
 
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One torch thread for a module's tests: tiny models gain nothing from threads, and on a busy machine their
+    spin-waiting multiplies the run time. A module opts in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     torch.manual_seed(0)

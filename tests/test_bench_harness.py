@@ -65,13 +65,7 @@ def failing_cache(model):
     raise RuntimeError("this codec is broken")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    # The tiny model gains nothing from threads, and on a busy machine their spin-waiting multiplies the run time.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

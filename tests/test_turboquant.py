@@ -27,12 +27,7 @@ from .conftest import tiny_llama_config
 LAYERS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")
