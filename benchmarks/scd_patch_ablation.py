@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicCache
 from hf_kvcodecs.bench.scd import (
     continuation_scores,
     droidspeak_cache,
+    gsrq_cache,
     producer_cache,
     producer_hidden_state,
     raw16_cache,
@@ -97,8 +98,10 @@ def rebuilt_cache(consumer, kb: SCDKnowledgeBase, captures, ids: torch.Tensor) -
 
 
 def score_window(producer, consumer, window: torch.Tensor, points: dict, modes: set[str], droidspeak: list[int],
-                 context_tokens: int = 1024) -> dict:
-    """Per method: the continuation's per-token NLL and log-probabilities after that method's cache of the context."""
+                 context_tokens: int = 1024, gsrq_codebooks=None, gsrq_bits: tuple[float, ...] = (),
+                 gsrq_sizes: dict | None = None) -> dict:
+    """Per method: the continuation's per-token NLL and log-probabilities after that method's cache of the context.
+    ``gsrq_sizes`` collects the GSRQ rows' bytes per token (codes, scales and exact tokens held)."""
     context, continuation = window[:context_tokens], window[context_tokens:]
     ids = context[:-1][None]
     captures = []
@@ -110,6 +113,11 @@ def score_window(producer, consumer, window: torch.Tensor, points: dict, modes: 
         hidden = producer_hidden_state(producer, ids, layer)
         caches[f"droidspeak-{layer}"] = lambda layer=layer, hidden=hidden: droidspeak_cache(
             consumer, ids, source, hidden, layer)
+    for bits in gsrq_bits:  # the producer's KV coded by GSRQ with codebooks fitted for the producer
+        coded, size = gsrq_cache(producer, ids, gsrq_codebooks, bits)
+        caches[f"gsrq-{bits:g}"] = lambda coded=coded: coded
+        if gsrq_sizes is not None:
+            gsrq_sizes.setdefault(f"gsrq-{bits:g}", []).append(size)
     for name, kb in points.items():
         caches[name] = lambda kb=kb: rebuilt_cache(consumer, kb, captures, ids)
     return {name: continuation_scores(consumer, build(), context, continuation) for name, build in caches.items()}
@@ -131,6 +139,10 @@ def main() -> None:
                              "`hf-kvcodecs bench scd --knowledge-base / --more-knowledge-bases`")
     parser.add_argument("--fit-windows", type=int, default=12, help="calibration windows of 512 tokens")
     parser.add_argument("--windows", type=int, default=8, help="evaluation windows of 1024 + 64 tokens")
+    parser.add_argument("--gsrq-codebooks", type=Path, default=None,
+                        help="GSRQ codebooks calibrated for the producer (`hf-kvcodecs calibrate --model PRODUCER`): "
+                             "adds the GSRQ-coded producer KV baseline at --gsrq-bits")
+    parser.add_argument("--gsrq-bits", type=float, nargs="*", default=[2.0])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -161,12 +173,19 @@ def main() -> None:
                 else:
                     kb.save_id = "in-memory ablation"  # never saved: built and decoded in this process
                 points[name] = kb
+    gsrq_codebooks, gsrq_bits, gsrq_sizes = None, (), {}
+    if args.gsrq_codebooks is not None:
+        from hf_kvcodecs.gsrq.loading import load_codebooks
+
+        gsrq_codebooks, gsrq_bits = load_codebooks(str(args.gsrq_codebooks)), tuple(args.gsrq_bits)
+        gsrq_codebooks.check_fits(unwrapped(producer.model).config)
     windows = fixed_windows(tokenize_corpus(producer.tokenizer, evaluation), args.windows, 1024 + 64)
     nlls: dict[str, list] = {}
     logprobs: dict[str, list] = {}
     for window in tqdm(windows, desc="SCD Patch ablation"):
         for name, (nll, rows) in score_window(producer.model, consumer.model, window, points, modes,
-                                              args.droidspeak).items():
+                                              args.droidspeak, gsrq_codebooks=gsrq_codebooks, gsrq_bits=gsrq_bits,
+                                              gsrq_sizes=gsrq_sizes).items():
             nlls.setdefault(name, []).append(nll)
             logprobs.setdefault(name, []).append(rows)
     reference = WindowScores(nlls["oracle"], logprobs["oracle"])
@@ -179,6 +198,8 @@ def main() -> None:
             kb = points[name]
             row.update(bytes_per_token=kb.bytes_per_token(), recomputed_layers=sum(
                 layer.depth for layer in kb.plan if layer.recomputes), plan=[layer.to_dict() for layer in kb.plan])
+        elif name in gsrq_sizes:
+            row.update(bytes_per_token=sum(gsrq_sizes[name]) / len(gsrq_sizes[name]), recomputed_layers=0)
         elif name.startswith("droidspeak-"):
             layer = int(name.split("-")[1])
             row.update(bytes_per_token=layer * raw_bytes / model_layers + 2 * consumer.model.config.hidden_size,
