@@ -108,7 +108,7 @@ def test_hub_errors_say_what_is_wrong(tiny_codebooks_dir, offline_hub, monkeypat
         raise RepositoryNotFoundError("404 Client Error: Repository Not Found", response=response)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing_repo)
-    with pytest.raises(CodebookFileError, match="neither a local codebook directory nor a Hub repo"):
+    with pytest.raises(CodebookFileError, match="neither a local GSRQ codebooks directory nor a Hub repo"):
         resolve_codebooks("someone/private-or-typo")
 
 

@@ -161,9 +161,9 @@ def test_a_repo_id_is_only_looked_up_in_the_cache_when_the_hub_is_unreachable(hu
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     started = time.perf_counter()
-    with pytest.raises(CodebookFileError, match=r"someone/cb does not exist: no local folder .*someone/cb, and its "
-                                                r"codebooks on the Hub .* not in the Hub cache and the Hub could not be "
-                                                r"reached \(HF_HUB_OFFLINE is set\)"):
+    with pytest.raises(CodebookFileError, match=r"someone/cb does not exist: no local folder .*someone/cb; GSRQ "
+                                                r"codebooks from the Hub .* not in the Hub cache, and the Hub could not "
+                                                r"be reached \(HF_HUB_OFFLINE is set\)"):
         GSRQCodebooks.from_pretrained("someone/cb")
     assert hub_calls == [("someone/cb", True)]
 

@@ -242,5 +242,5 @@ def test_the_knowledge_base_downloads_from_the_hub_at_the_weights_commit(kb_dir,
         raise RepositoryNotFoundError("404 Client Error: Repository Not Found", response=response)
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", missing_repo)
-    with pytest.raises(KnowledgeBaseError, match="not a Hub repo this machine can read"):
+    with pytest.raises(KnowledgeBaseError, match="nor a Hub repo this machine can read"):
         download_knowledge_base("someone/private-or-typo")

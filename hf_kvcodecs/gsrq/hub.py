@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from ..hub import hub_unreachable, is_owner_name, library_versions, templates_dir
+from ..hub import HubArtifactKind, download_artifact, is_owner_name, library_versions, templates_dir
 from .codebooks import METADATA_FILE, TENSORS_FILE, CodebookFileError, GSRQCodebooks
 
 CODEBOOK_CARD_TEMPLATE = "gsrq_codebooks.md"
@@ -22,57 +22,21 @@ _SAVED_MODEL_HINT = (" If the repo holds a model saved by hf_kvcodecs, its codeb
                      "pass subfolder='kv_codebooks' (cache_config key 'codebooks_subfolder').")
 
 
+CODEBOOKS_ON_THE_HUB = HubArtifactKind(
+    name="GSRQ codebooks", files=CODEBOOK_FILES, error=CodebookFileError,
+    made_by="`hf-kvcodecs calibrate --out DIR` (pushed with `hf-kvcodecs push-codebooks`)",
+    saved_model_hint=_SAVED_MODEL_HINT)
+
+
 def download_codebooks(repo_id: str, *, revision: str | None = None, subfolder: str | None = None,
                        token: str | bool | None = None, cache_dir: str | Path | None = None,
                        local_files_only: bool = False) -> Path:
     """The local directory holding the codebook files of Hub repo ``repo_id`` (downloaded into the Hub cache)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
     if not is_owner_name(repo_id):
         raise CodebookFileError(_not_found(repo_id) + " and is not a Hub repo id of the form owner/name.")
-    where = f"{repo_id}" + (f"/{subfolder}" if subfolder else "") + (f" at revision {revision}" if revision else "")
-    unreachable = None if local_files_only else hub_unreachable()
-    if unreachable:  # its cache may still hold them
-        local_files_only = True
-    paths = []
-    for name in CODEBOOK_FILES:
-        try:
-            paths.append(Path(hf_hub_download(repo_id, filename=f"{subfolder}/{name}" if subfolder else name,
-                                              revision=revision, token=token, cache_dir=cache_dir,
-                                              local_files_only=local_files_only)))
-        except LocalEntryNotFoundError as error:  # before EntryNotFoundError, which it subclasses
-            why = f"the Hub could not be reached ({unreachable})" if unreachable else "they could not be downloaded"
-            raise CodebookFileError(
-                _not_found(repo_id) + f", and its codebooks on the Hub ({where}) are not in the Hub cache and {why}. "
-                "Download them once with network access, or pass a local directory."
-                + ("" if subfolder else _SAVED_MODEL_HINT)
-            ) from error
-        except GatedRepoError as error:
-            raise CodebookFileError(f"The Hub repo {repo_id} is gated: accept its terms on the Hub and log in "
-                                    f"(`hf auth login`) to download its codebooks ({error}).") from error
-        except RepositoryNotFoundError as error:
-            raise CodebookFileError(
-                f"{repo_id!r} is neither a local codebook directory nor a Hub repo this machine can read (private "
-                "repos need `hf auth login` or token=...). Pass a directory written by `hf-kvcodecs calibrate --out DIR` "
-                "or the id of a repo pushed with `hf-kvcodecs push-codebooks`."
-            ) from error
-        except RevisionNotFoundError as error:
-            raise CodebookFileError(f"The Hub repo {repo_id} has no revision {revision!r}.") from error
-        except EntryNotFoundError as error:
-            raise CodebookFileError(
-                f"The Hub repo {where} has no {name}: it does not hold GSRQ codebooks there. A codebook repo holds the "
-                "files `hf-kvcodecs calibrate` writes at its root." + ("" if subfolder else _SAVED_MODEL_HINT)
-            ) from error
-    if len({path.parent for path in paths}) != 1:  # both files of one snapshot, so they were saved together
-        raise CodebookFileError(f"The codebook files of {where} resolved to different folders: {paths}.")
-    return paths[0].parent
+    return download_artifact(CODEBOOKS_ON_THE_HUB, repo_id, revision=revision, subfolder=subfolder, token=token,
+                             cache_dir=cache_dir, local_files_only=local_files_only,
+                             not_found_locally=_not_found(repo_id))
 
 
 def resolve_codebooks(source: str | Path, *, revision: str | None = None, subfolder: str | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..hub import HubArtifactKind, download_artifact
 from .knowledge_base import METADATA_FILE, TENSORS_FILE, KnowledgeBaseError
 
 KNOWLEDGE_BASE_FILES = (METADATA_FILE, TENSORS_FILE)
@@ -20,48 +21,14 @@ _SAVED_MODEL_HINT = (f" If the repo holds a consumer saved by hf_kvcodecs, its k
                      f"{SAVED_MODEL_FOLDER}/ folder: pass subfolder={SAVED_MODEL_FOLDER!r}.")
 
 
+KNOWLEDGE_BASE_ON_THE_HUB = HubArtifactKind(
+    name="SCD knowledge base", files=KNOWLEDGE_BASE_FILES, error=KnowledgeBaseError,
+    made_by="`hf-kvcodecs scd fit --out DIR`", saved_model_hint=_SAVED_MODEL_HINT)
+
+
 def download_knowledge_base(repo_id: str, *, revision: str | None = None, subfolder: str | None = None,
                             token: str | bool | None = None, cache_dir: str | Path | None = None,
                             local_files_only: bool = False) -> Path:
     """The local directory holding the knowledge base files of Hub repo ``repo_id`` (downloaded into the Hub cache)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"{repo_id}" + (f"/{subfolder}" if subfolder else "") + (f" at revision {revision}" if revision else "")
-    hint = "" if subfolder else _SAVED_MODEL_HINT
-    paths = []
-    for name in KNOWLEDGE_BASE_FILES:
-        try:
-            paths.append(Path(hf_hub_download(repo_id, filename=f"{subfolder}/{name}" if subfolder else name,
-                                              revision=revision, token=token, cache_dir=cache_dir,
-                                              local_files_only=local_files_only)))
-        except LocalEntryNotFoundError as error:  # before EntryNotFoundError, which it subclasses
-            raise KnowledgeBaseError(
-                f"The SCD knowledge base of {where} is not in the Hub cache and could not be downloaded (offline?). "
-                "Download it once with network access, or pass a local directory." + hint
-            ) from error
-        except GatedRepoError as error:  # before RepositoryNotFoundError, which it subclasses
-            raise KnowledgeBaseError(f"The Hub repo {repo_id} is gated: accept its terms on the Hub and log in "
-                                     f"(`hf auth login`) to download its SCD knowledge base ({error}).") from error
-        except RepositoryNotFoundError as error:
-            raise KnowledgeBaseError(
-                f"{repo_id!r} is not a Hub repo this machine can read (private repos need `hf auth login` or "
-                "token=...). Pass a directory written by `hf-kvcodecs scd fit --out DIR` or the id of a repo that "
-                "holds one."
-            ) from error
-        except RevisionNotFoundError as error:
-            raise KnowledgeBaseError(f"The Hub repo {repo_id} has no revision {revision!r}.") from error
-        except EntryNotFoundError as error:
-            raise KnowledgeBaseError(
-                f"The Hub repo {where} has no {name}: it does not hold an SCD knowledge base there. A knowledge base "
-                f"is the two files `hf-kvcodecs scd fit` writes ({', '.join(KNOWLEDGE_BASE_FILES)})." + hint
-            ) from error
-    if len({path.parent for path in paths}) != 1:  # both files of one snapshot, so they were saved together
-        raise KnowledgeBaseError(f"The knowledge base files of {where} resolved to different folders: {paths}.")
-    return paths[0].parent
+    return download_artifact(KNOWLEDGE_BASE_ON_THE_HUB, repo_id, revision=revision, subfolder=subfolder, token=token,
+                             cache_dir=cache_dir, local_files_only=local_files_only)
