@@ -16,14 +16,13 @@ from hf_kvcodecs.bench.harness import (
     TURBOQUANT,
     CacheMethod,
     _greedy_agreement,
-    _passkey_cases,
     _quanto_token_multiple,
-    answer_has_key,
     evaluate_methods,
     shipped_baselines,
 )
 from hf_kvcodecs.bench.memory import cache_bytes, shared_storages, tensor_storages
 from hf_kvcodecs.bench.report import write_reports
+from hf_kvcodecs.evaluation.passkey import answer_has_key, passkey_cases
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 16, 128
 CONTEXT, CONTINUATION = 64, 8
@@ -294,7 +293,7 @@ def test_greedy_agreement_counts_prefix_and_positions():
 
 def test_passkey_prompts_have_exact_length_and_needle_depth(eval_ids):
     tokenizer = CharTokenizer()
-    cases = _passkey_cases(tokenizer, eval_ids, [128], [0.0, 0.5], 3, torch.Generator().manual_seed(0))
+    cases = passkey_cases(tokenizer, eval_ids, [128], [0.0, 0.5], 3, torch.Generator().manual_seed(0))
     assert len(cases) == 6
     for case in cases:
         needle = torch.tensor(tokenizer(f"\nThe pass key is {case.key}. Remember it.\n")["input_ids"])

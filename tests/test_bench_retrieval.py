@@ -3,11 +3,9 @@ the scorer, whose trivial-pair SCD answers match the oracle's."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import BatchEncoding, LlamaForCausalLM
 
 from hf_kvcodecs.bench.retrieval import (
     FACT_QUESTION,
@@ -23,6 +21,7 @@ from hf_kvcodecs.bench.retrieval import (
     token_f1,
 )
 from hf_kvcodecs.bench.scd import SCDBenchSettings, retrieval, retrieval_overall
+from hf_kvcodecs.evaluation.passkey import PASSKEY_NEEDLE, PASSKEY_QUESTION, answer_has_key
 from hf_kvcodecs.scd import full_rank_knowledge_base
 
 from .conftest import tiny_llama_config
@@ -35,7 +34,7 @@ class CharacterTokenizer:
 
     def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
         ids = [ord(c) if 3 <= ord(c) < 128 else ord("?") for c in text]
-        return SimpleNamespace(input_ids=torch.tensor([ids]))
+        return BatchEncoding({"input_ids": torch.tensor([ids])})
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(int(i)) for i in ids if not skip_special_tokens or int(i) >= 3)
@@ -95,6 +94,21 @@ def test_exact_match_and_f1():
     assert exact_match("1.07.1-3", "1.07.1-3+b1") == 0.0 and exact_match("", "1") == 0.0
     assert exact_match("12345. Remember it", "12345") == 1.0
     assert token_f1("1.07.1-3", "1.07.1-3+b1") == pytest.approx(2 * 1 * 0.8 / 1.8)
+
+
+def test_scd_pass_key_prompts_follow_the_shared_protocol():
+    tokenizer = CharacterTokenizer()
+    text_ids = tokenizer(STATUS_EXCERPT * 8).input_ids[0]
+    prompts = passkey_prompts(tokenizer, text_ids, trials=3, context_tokens=200, seed=0)
+    question = PASSKEY_QUESTION
+    depths = []
+    for ids, key in prompts:
+        text = tokenizer.decode(ids)
+        needle = PASSKEY_NEEDLE.format(key=key)
+        assert ids.numel() == 200 and len(key) == 5 and text.endswith(question) and text.count(needle) == 1
+        depths.append(text.index(needle))
+    assert depths == sorted(depths) and len(set(depths)) == 3  # the needle moves deeper trial by trial
+    assert answer_has_key(" " + prompts[0][1] + ".", prompts[0][1])
 
 
 def test_trivial_pair_scd_answers_as_the_oracle_does(tmp_path):

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import DynamicCache
 
 from hf_kvcodecs.codecs import bit_allocation
+from hf_kvcodecs.evaluation import kl_divergence
 from hf_kvcodecs.scd import (
     PairMismatchError,
     PayloadError,
@@ -29,7 +30,7 @@ from hf_kvcodecs.scd import (
 from hf_kvcodecs.scd.cache import rebuild_into
 from hf_kvcodecs.scd.coding import allocate_code, section_layout, whiten_plan
 from hf_kvcodecs.scd.encode import encode_sections
-from hf_kvcodecs.scd.fit import continuation_logprobs, kl_divergence
+from hf_kvcodecs.scd.fit import continuation_logprobs
 from hf_kvcodecs.scd.knowledge_base import (
     METADATA_FILE,
     TENSORS_FILE,

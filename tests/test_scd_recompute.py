@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from hf_kvcodecs.evaluation import kl_divergence
 from hf_kvcodecs.scd import (
     PayloadError,
     SCDFitSettings,
@@ -21,7 +22,7 @@ from hf_kvcodecs.scd import (
     full_rank_knowledge_base,
     truncate_payload,
 )
-from hf_kvcodecs.scd.fit import continuation_logprobs, kl_divergence, patch_trials
+from hf_kvcodecs.scd.fit import continuation_logprobs, patch_trials
 from hf_kvcodecs.scd.knowledge_base import LayerPlan, _read_plan, plan_bytes_per_token, plan_problems
 from hf_kvcodecs.scd.payload import pack_payload, unpack_payload
 

@@ -24,7 +24,6 @@ import importlib.metadata
 import logging
 import math
 import platform
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +47,7 @@ from ..evaluation import (
     strided_windows,
     token_nll,
 )
+from ..evaluation.passkey import PASSKEY_QUESTION, PasskeyCase, passkey_cases, passkey_scores, token_ids
 from ..integrations.loading import loaded_from
 from ..integrations.turboquant_cache import TurboQuantCache
 from ..models import model_fingerprint
@@ -58,8 +58,6 @@ logger = logging.getLogger(__name__)
 FULL_PRECISION = "full precision"
 TRANSFORMERS_QUANTIZED = "transformers QuantizedCache"
 
-PASSKEY_NEEDLE = "\nThe pass key is {key}. Remember it.\n"
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
 
 # Tokens prefilled (then decoded twice) to warm each method up: quanto compiles a C++ extension on first use.
 _WARM_UP_TOKENS = 64
@@ -321,7 +319,7 @@ def evaluate_methods(
         elements_per_token=elements_per_token,
         greedy_prompts=[window[:context_len] for window in windows[:greedy_prompts]],
         greedy_tokens=greedy_tokens,
-        passkey_cases=_passkey_cases(
+        passkey_cases=passkey_cases(
             tokenizer, eval_token_ids, passkey_lengths, passkey_depths, passkey_trials, generator
         ),
         passkey_answer_tokens=passkey_answer_tokens,
@@ -433,7 +431,7 @@ def _measure_quality(model, tokenizer, method, is_reference, entry, reference_ou
             ),
         )
         if answers is not None:
-            entry["passkey"] = _passkey_scores(plan.passkey_cases, answers)
+            entry["passkey"] = passkey_scores(plan.passkey_cases, answers)
     entry["quality_seconds"] = round(time.perf_counter() - started, 1)
 
 
@@ -585,38 +583,9 @@ def _greedy_agreement(generated: list[list[int]], reference: list[list[int]]) ->
     }
 
 
-@dataclass(frozen=True)
-class PasskeyCase:
-    length: int  # prefill tokens: haystack plus needle
-    depth: float  # where the needle starts, as a fraction of the haystack
-    key: str
-    prompt_ids: torch.Tensor
-
-
-def _passkey_cases(tokenizer, token_ids, lengths, depths, trials, generator) -> list[PasskeyCase]:
-    """Needles in haystacks of real text: ``trials`` random keys and text offsets per (length, depth) cell."""
-    cases = []
-    for length in lengths:
-        for depth in depths:
-            for _ in range(trials):
-                key = str(int(torch.randint(10_000, 100_000, (1,), generator=generator)))
-                needle = _token_ids(tokenizer, PASSKEY_NEEDLE.format(key=key))
-                filler_len = length - len(needle)
-                offset = int(torch.randint(0, len(token_ids) - filler_len + 1, (1,), generator=generator))
-                filler = token_ids[offset : offset + filler_len]
-                insert_at = round(depth * filler_len)
-                prompt = torch.cat([filler[:insert_at], needle, filler[insert_at:]])
-                cases.append(PasskeyCase(length=length, depth=float(depth), key=key, prompt_ids=prompt))
-    return cases
-
-
-def _token_ids(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-
 def _passkey_answers(model, tokenizer, method, cases, answer_tokens, progress) -> list[str]:
     """Prefill the haystack, feed the question one token per forward call, then greedy-decode the answer."""
-    question = _token_ids(tokenizer, PASSKEY_QUESTION)
+    question = token_ids(tokenizer, PASSKEY_QUESTION)
     answers = []
     for case in tqdm(cases, desc=f"{method.name}: pass key", disable=not progress):
         cache = method.make_cache(model)
@@ -630,35 +599,6 @@ def _passkey_answers(model, tokenizer, method, cases, answer_tokens, progress) -
                 logits = decode_step(model, cache, answer[-1])
         answers.append(tokenizer.decode(answer, skip_special_tokens=True))
     return answers
-
-
-def answer_has_key(answer: str, key: str) -> bool:
-    """Correct when the first number in the answer is the key (a longer or different number is wrong)."""
-    number = re.search(r"\d+", answer)
-    return number is not None and number.group() == key
-
-
-def _passkey_scores(cases: list[PasskeyCase], answers: list[str]) -> dict:
-    correct = [answer_has_key(answer, case.key) for case, answer in zip(cases, answers)]
-
-    def accuracy_by(attribute):
-        groups: dict = {}
-        for case, ok in zip(cases, correct):
-            groups.setdefault(str(getattr(case, attribute)), []).append(ok)
-        return {value: sum(oks) / len(oks) for value, oks in groups.items()}
-
-    return {
-        "accuracy": sum(correct) / len(correct),
-        "correct": sum(correct),
-        "trials": len(correct),
-        "accuracy_by_length": accuracy_by("length"),
-        "accuracy_by_depth": accuracy_by("depth"),
-        "answers": [
-            {"length": case.length, "depth": case.depth, "key": case.key, "answer": answer, "correct": ok}
-            for case, answer, ok in zip(cases, answers, correct)
-        ],
-    }
-
 
 
 class _AlignedPrefill:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-PASSKEY_QUESTION = "\nWhat is the pass key? The pass key is"
+from ..evaluation.passkey import PASSKEY_QUESTION, passkey_case, random_key, token_ids
+
 PACKAGE_DATABASE = Path("/var/lib/dpkg/status")
 RECORD_FIELDS = ("Package", "Version", "Architecture", "Maintainer", "Installed-Size")
 FACT_QUESTION = "\n\nThe record of the package {name} above reads:\nPackage: {name}\nVersion:"
@@ -41,19 +42,18 @@ def _ids(tokenizer, text: str) -> torch.Tensor:
 
 
 def passkey_prompts(tokenizer, text_ids: torch.Tensor, trials: int, context_tokens: int, seed: int):
-    """Real passages with one sentence "The pass key is NNNNN. Remember it." inserted at a depth that varies by trial;
-    the prompt ends with the question. Returns (prompt ids, answer) pairs."""
+    """The shared pass-key protocol (:mod:`hf_kvcodecs.evaluation.passkey`) in one context length: real passages
+    (a different one each trial) with the needle at a depth that varies by trial, the question appended to the
+    prompt. Returns (prompt ids, answer) pairs."""
     generator = torch.Generator().manual_seed(seed)
-    question = _ids(tokenizer, PASSKEY_QUESTION)
+    question = token_ids(tokenizer, PASSKEY_QUESTION)
     prompts = []
     for trial in range(trials):
-        key = str(int(torch.randint(10000, 99999, (1,), generator=generator)))
-        needle = _ids(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
-        filler = context_tokens - needle.numel() - question.numel()
-        start = trial * (text_ids.numel() - filler) // max(trials, 1)
-        passage = text_ids[start:start + filler]
-        depth = int(filler * (trial + 0.5) / trials)
-        prompts.append((torch.cat((passage[:depth], needle, passage[depth:], question)), key))
+        key = random_key(generator)
+        length = context_tokens - question.numel()
+        start = trial * max(text_ids.numel() - length, 0) // max(trials, 1)
+        case = passkey_case(tokenizer, text_ids, length, (trial + 0.5) / trials, key, start)
+        prompts.append((torch.cat((case.prompt_ids, question)), key))
     return prompts
 
 

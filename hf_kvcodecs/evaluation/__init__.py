@@ -12,6 +12,7 @@ from .paired import (
     divergence_metrics,
     fixed_windows,
     forward_nll,
+    kl_divergence,
     paired_comparison,
     paired_difference,
     perplexity_metrics,
@@ -28,7 +29,7 @@ from .tasks import (
     task_suite_table,
 )
 
-__all__ = ["WindowScores", "decode_logprobs", "decode_nll", "decode_step", "divergence_metrics", "fixed_windows", "forward_nll",
+__all__ = ["WindowScores", "decode_logprobs", "decode_nll", "decode_step", "divergence_metrics", "fixed_windows", "forward_nll", "kl_divergence",
            "paired_comparison", "paired_difference", "perplexity_metrics", "prefill", "strided_windows", "token_nll",
            "TaskSuiteOptions", "compare_task_results", "generate_task_items", "run_task_suite", "run_task_suite_methods",
            "task_suite_table"]

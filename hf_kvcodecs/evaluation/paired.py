@@ -117,12 +117,18 @@ def perplexity_metrics(nlls: list[torch.Tensor], reference_nlls: list[torch.Tens
     return metrics
 
 
+def kl_divergence(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``KL(reference || model)`` per position, in nats, from log-probability rows ``[..., V]``: the one KL every
+    benchmark, the SCD fit and the SQuaT evaluation report."""
+    return (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1)
+
+
 def divergence_metrics(logprobs: list[torch.Tensor], reference_logprobs: list[torch.Tensor] | None) -> dict:
     """Mean KL divergence ``KL(reference || model)`` of the next-token distributions, top-1 agreement, and the KL per
     window (for comparisons paired by window); ``reference_logprobs`` None: the reference against itself."""
     if reference_logprobs is None:
         return {"kl_mean": 0.0, "top1_agreement": 1.0, "window_kl": [0.0] * len(logprobs)}
-    kls = [(reference.exp() * (reference - own)).sum(-1).double() for own, reference in zip(logprobs, reference_logprobs)]
+    kls = [kl_divergence(reference, own).double() for own, reference in zip(logprobs, reference_logprobs)]
     top1 = [(reference.argmax(-1) == own.argmax(-1)).double() for own, reference in zip(logprobs, reference_logprobs)]
     return {"kl_mean": torch.cat(kls).mean().item(), "top1_agreement": torch.cat(top1).mean().item(),
             "window_kl": [kl.mean().item() for kl in kls]}

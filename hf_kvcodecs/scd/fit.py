@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import DynamicCache
 
 from ..codecs.lowrank import CrossMoments, LowRankMap, fit_pca_map, fit_reduced_rank_map, relative_error_by_rank
+from ..evaluation import kl_divergence
 from ..text import Corpus
 from .cache import rebuild_into
 from .coding import encode_layer, whiten_plan
@@ -222,11 +223,6 @@ def continuation_logprobs(model, cache, context: torch.Tensor, continuation: tor
     positions = positions_from_mask(mask)[:, context_length - 1:]
     logits = model(input_ids=inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True).logits
     return torch.log_softmax(logits[0].float(), -1)
-
-
-def kl_divergence(reference_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(reference || model) per position, in nats."""
-    return (reference_logprobs.exp() * (reference_logprobs - logprobs)).sum(-1)
 
 
 def _fit_maps(moments: PairMoments, settings: SCDFitSettings):

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from ..evaluation import fixed_windows
+from ..evaluation import fixed_windows, kl_divergence
 from ..evaluation.paired import perplexity_metrics
 from ..quantization import KVCodecsConfig, quantize_model
 from .trainer import SQuaTConfig, SQuaTTrainer, quantized_linear_modules
@@ -90,7 +90,7 @@ def paired_scores(model, teacher, windows: list[torch.Tensor], progress: bool = 
         logprobs = model(input_ids=ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
         reference = logprobs if teacher is None else teacher(input_ids=ids, use_cache=False).logits[0, :-1].float().log_softmax(-1)
         nlls.append(-logprobs.gather(-1, ids[0, 1:, None])[:, 0].double())
-        kls.append((reference.exp() * (reference - logprobs)).sum(-1).double())
+        kls.append(kl_divergence(reference, logprobs).double())
     return nlls, kls
 
 
