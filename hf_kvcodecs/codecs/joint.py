@@ -173,18 +173,10 @@ class JointHeadResidualVQ(KVCodec):
         return self.decode(codes, scales, dtype=x.dtype)
 
     def _decoded_shapes(self, codes):
-        """Decoded unit-scale shapes ``[H, N, D]`` of codes ``[1, N, S]``. The codewords are added into their groups
-        directly: the per-head codec's dense decode table (every codeword placed in a full-width row) would hold
-        ``S * K * H * D`` floats here, 8.8 MB per layer on the default model, for rows with 8 nonzeros each."""
+        """Decoded unit-scale shapes ``[H, N, D]`` of codes ``[1, N, S]``."""
         inner = self.shape_codec
-        tokens, stages = codes.shape[1], codes.shape[2]
-        z = torch.zeros(tokens, inner.head_dim // inner.group_dim, inner.group_dim, device=codes.device,
-                        dtype=inner.codebooks.dtype)
-        if stages:
-            words = inner.codebooks[torch.arange(stages, device=codes.device), codes[0].long()]  # [N, S, g]
-            z.index_add_(1, inner.stage_groups.to(codes.device), words)
-        unit = torch.ones(1, tokens, device=codes.device)
-        return self._split(inner._synthesize(z.reshape(1, tokens, inner.head_dim), unit))
+        unit = torch.ones(1, codes.shape[1], device=codes.device)
+        return self._split(inner._synthesize(inner._coded_transform(codes), unit))
 
     def _joint(self, x):  # [H, N, D] -> [1, N, H*D]
         return x.permute(1, 0, 2).reshape(1, x.shape[1], -1)
@@ -202,12 +194,14 @@ class JointHeadResidualVQ(KVCodec):
     # ---- attention ------------------------------------------------------------------------------------------
     def attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean ``[H, D]``, synthesis ``[H, H*D, D]``, codebooks ``[S, K, g]``, stage groups ``[S]``): head ``h``
-        of a token is ``s_h * (mean[h] + z @ synthesis[h])`` with ``z`` the token's ``H*D`` transform components."""
+        of a token is ``s_h * (mean[h] + z @ synthesis[h])`` with ``z`` the token's ``H*D`` transform components. The
+        synthesis is a view of the shape codec's (of its basis, transposed, for an orthogonal transform): kernels that
+        read it contiguous copy it per call rather than every cache of the model holding a second copy."""
         if self._operands is None or self._operands[0].device != self.mean.device:
             inner = self.shape_codec
             synthesis = inner.basis[0].transpose(0, 1) if inner.synthesis is None else inner.synthesis[0]  # [Dt, H*D]
             per_head = synthesis.reshape(synthesis.shape[0], self.num_heads, self.head_dim).permute(1, 0, 2)
-            self._operands = (inner.mean[0].reshape(self.num_heads, self.head_dim).contiguous(), per_head.contiguous(),
+            self._operands = (inner.mean[0].reshape(self.num_heads, self.head_dim).contiguous(), per_head,
                               inner.codebooks.contiguous(), inner.stage_groups.contiguous())
         return self._operands
 

@@ -72,7 +72,7 @@ class TransformResidualVQ(KVCodec):
     stats: dict = field(default_factory=dict)  # fit diagnostics (JSON-serialisable)
     synthesis: torch.Tensor | None = None  # [H, D, D] inverse of ``basis``; None when ``basis`` is orthogonal
     log_scale_range: torch.Tensor | None = None  # [H, 2] log2 (low, high) of 8-bit scales; None: fp16 scales
-    _table: tuple | None = field(default=None, repr=False, compare=False)  # lazily built by _decode_table
+    _bags: tuple | None = field(default=None, repr=False, compare=False)  # see _group_bags
     _table_source: TransformResidualVQ | None = field(default=None, repr=False, compare=False)
     _operands: tuple | None = field(default=None, repr=False, compare=False)
     _levels: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [H, 256] 8-bit scale values
@@ -102,7 +102,7 @@ class TransformResidualVQ(KVCodec):
             self.mean, self.basis, self.stage_groups[:num_stages], self.codebooks[:num_stages], self.group_dim, self.stats,
             self.synthesis, self.log_scale_range,
         )
-        prefix._table_source = self._table_source or self  # lower rates read a prefix of the same decode table
+        prefix._table_source = self._table_source or self  # lower rates read a prefix of the same derived tables
         return prefix
 
     def to(self, device=None, dtype=None) -> TransformResidualVQ:
@@ -168,40 +168,43 @@ class TransformResidualVQ(KVCodec):
         return self._synthesize(self._coded_transform(codes), self.scale_values(scales).to(self.codebooks.dtype)).to(dtype)
 
     def _coded_transform(self, codes: torch.Tensor) -> torch.Tensor:
-        """Sum of the codewords of ``[H, N, S]`` codes in the transform domain: ``[H, N, D]``."""
+        """Sum of the codewords of ``[H, N, S]`` codes in the transform domain: ``[H, N, D]``.
+
+        One fused gather-and-sum (``embedding_bag``) over the ``[S*K, group_dim]`` codebooks, one bag per token and
+        group, instead of a Python loop of gathers and slice-adds. A table of every codeword placed in a full-width
+        row would sum the same floats in the same order, but it would hold ``head_dim / group_dim`` times the
+        codebooks' bytes (84 MiB for the default model's keys), only to add zeros.
+        """
         num_heads, n, num_codes = codes.shape
         if num_codes == 0:
             return torch.zeros(num_heads, n, self.head_dim, device=codes.device, dtype=self.codebooks.dtype)
-        table, offsets = self._decode_table()
-        # One fused gather-and-sum over all stages instead of a Python loop of gathers and slice-adds.
-        z = F.embedding_bag((codes.long() + offsets).reshape(-1, num_codes), table, mode="sum")
+        order, first_rows, group_starts = self._group_bags(codes.device)
+        vectors = num_heads * n
+        index = codes.reshape(vectors, num_codes).long().gather(1, order.expand(vectors, -1)).add_(first_rows)
+        offsets = torch.arange(0, vectors * num_codes, num_codes, device=codes.device)[:, None] + group_starts
+        z = F.embedding_bag(index.reshape(-1), self.codebooks.reshape(-1, self.group_dim), offsets.reshape(-1),
+                            mode="sum")  # a group no stage codes is an empty bag: zeros
         return z.reshape(num_heads, n, self.head_dim)
 
-    def _decode_table(self):
-        """Codebooks placed at their group's slice of the full transform-domain vector: ``[S*K, D]`` plus offsets.
-
-        Built once per codec and shared by every cache that uses it (a per-model table, not per-token state).
-        """
-        if self._table_source is not None:
-            table, offsets = self._table_source._decode_table()
-            size = self.codebooks.shape[1]
-            return table[: self.num_stages * size], offsets[: self.num_stages]
-        if self._table is None or self._table[0].device != self.codebooks.device:
-            stages, size, _ = self.codebooks.shape
-            table = torch.zeros(stages, size, self.head_dim, dtype=self.codebooks.dtype, device=self.codebooks.device)
-            for stage in range(stages):
-                start = int(self.stage_groups[stage]) * self.group_dim
-                table[stage, :, start : start + self.group_dim] = self.codebooks[stage]
-            offsets = torch.arange(stages, device=self.codebooks.device) * size
-            self._table = (table.reshape(stages * size, self.head_dim), offsets)
-        return self._table
+    def _group_bags(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """How :meth:`_coded_transform` regroups a vector's codes into one bag per group: (the stages sorted by their
+        group, stable, so each group's codewords are added in stage order; the first codebook row of each of those
+        stages; where each group's stages start in that order). A few integers per stage, built once per device."""
+        if self._bags is None or self._bags[0].device != device:
+            groups = self.stage_groups.to(device)
+            order = torch.sort(groups, stable=True).indices
+            counts = torch.bincount(groups, minlength=self.head_dim // self.group_dim)
+            self._bags = (order, order * self.codebooks.shape[1], torch.cumsum(counts, 0) - counts)
+        return self._bags
 
     def attention_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean ``[H, D]``, synthesis ``[H, D, D]``, codebooks ``[S, K, g]``, stage groups ``[S]``) as the
-        ``hf_kvcodecs::coded_attention`` op takes them: a vector is ``s * (mean + z @ synthesis)``."""
+        ``hf_kvcodecs::coded_attention`` op takes them: a vector is ``s * (mean + z @ synthesis)``. The synthesis of
+        an orthogonal transform is the basis transposed, a view: kernels that read it contiguous copy it per call
+        rather than every cache of the model holding a second copy of the basis."""
         if self._operands is None or self._operands[0].device != self.mean.device:
             synthesis = self.basis.transpose(1, 2) if self.synthesis is None else self.synthesis
-            self._operands = (self.mean.contiguous(), synthesis.contiguous(), self.codebooks.contiguous(),
+            self._operands = (self.mean.contiguous(), synthesis, self.codebooks.contiguous(),
                               self.stage_groups.contiguous())
         return self._operands
 
