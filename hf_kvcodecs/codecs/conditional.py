@@ -97,8 +97,9 @@ class ConditionalHeadResidualVQ(KVCodec):
     def independent(cls, head_codecs: list[TransformResidualVQ], stats: dict | None = None) -> HeadCodebooksResidualVQ:
         """Heads coded independently, each with its own codebooks (the ``per_head_codebooks`` layout)."""
         width = len(head_codecs) * head_codecs[0].head_dim
-        return HeadCodebooksResidualVQ(head_codecs, torch.zeros(width, width, device=head_codecs[0].codebooks.device),
-                                       stats or {})
+        # one zero broadcast to [H*D, H*D]: a matrix of zeros would be a per-model table nothing reads
+        zeros = torch.zeros((), device=head_codecs[0].codebooks.device).expand(width, width)
+        return HeadCodebooksResidualVQ(head_codecs, zeros, stats or {})
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @property
@@ -266,6 +267,9 @@ class HeadCodebooksResidualVQ(ConditionalHeadResidualVQ):
         if self.predicts_across_heads:
             raise ValueError(f"a {self.layout} codec codes its heads independently, but its predictors are not zero; "
                              f"use a {ConditionalHeadResidualVQ.layout} codec")
+
+    def to(self, device=None, dtype=None) -> HeadCodebooksResidualVQ:
+        return self.independent([codec.to(device, dtype) for codec in self.head_codecs], self.stats)
 
     @classmethod
     def from_state_dict(cls, tensors: dict[str, torch.Tensor], prefix: str, group_dim: int, num_heads: int,
