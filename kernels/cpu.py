@@ -322,7 +322,9 @@ def decode_constants(key_scale_levels, key_table, key_mean, codebook_size, value
         key_scale_levels, key_table.rows if fixed_point else _loop_table(key_table),
         key_table.step if fixed_point else None, key_mean.float().contiguous(), int(codebook_size),
         value_scale_levels, value_codebooks.float().contiguous(), value_stage_groups.long().contiguous(),
-        value_mean.float().contiguous(), value_synthesis.float().contiguous(), bool(conditional_keys), prediction,
+        # kept as given (a codec's synthesis may be a transposed view of its basis), made contiguous per call: a
+        # copy held here would be another per-model table, and copying costs far less than the call it serves
+        value_mean.float().contiguous(), value_synthesis.float(), bool(conditional_keys), prediction,
         None if value_predictor is None else value_predictor.float().contiguous())
 
 
@@ -356,7 +358,8 @@ def decode_with_constants(native, constants: DecodeConstants, query, key_codes, 
         q, key_codes.contiguous(), key_scales.contiguous(), constants.key_scale_levels, constants.key_table,
         constants.key_mean, rotary_cos.float().contiguous(), rotary_sin.float().contiguous(),
         constants.codebook_size, value_codes.contiguous(), value_scales.contiguous(), constants.value_scale_levels,
-        constants.value_codebooks, constants.value_stage_groups, constants.value_mean, constants.value_synthesis,
+        constants.value_codebooks, constants.value_stage_groups, constants.value_mean,
+        constants.value_synthesis.contiguous(),
         _per_batch_row(mask, batch, query_length),
         no_tokens if exact_keys is None else exact_keys.float().contiguous(),
         no_tokens if exact_values is None else exact_values.float().contiguous(),

@@ -85,10 +85,12 @@ def test_decode_logits_match_and_no_extra_tensors_are_held(model, codebooks_dir)
 def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_dtype(model, tiny_codebooks_dir,
                                                                                      monkeypatch):
     """The operands the compiled loop reads that depend only on a layer's codecs are built once per layer, hold no
-    copy of the codecs' tables (they would be per-cache memory no report counts), and are rebuilt when the key table
-    dtype changes."""
+    copy of the codecs' tables (it would be memory per model that nothing else reads), are shared by every cache of
+    the codebooks, deep copies included, and are rebuilt when the key table dtype changes."""
+    import copy
+
     from hf_kvcodecs.bench.memory import tensor_storages
-    from hf_kvcodecs.gsrq.attention import _DECODE_CONSTANTS
+    from hf_kvcodecs.gsrq.attention import _DECODE_CONSTANTS, held_decode_constants
     from hf_kvcodecs.kernels.cpu_native import native_ops
 
     if native_ops() is None:
@@ -101,10 +103,15 @@ def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_d
         model(ids[:, :30], cache=cache)
         model(ids[:, 30:31], cache=cache)
         layer = cache.layers[0]
-        first = _DECODE_CONSTANTS[layer][1]
+        first = held_decode_constants(layer)
         model(ids[:, 31:32], cache=cache)
-        assert _DECODE_CONSTANTS[layer][1] is first
-        held_by_codecs = set(tensor_storages(layer.key_codec)) | set(tensor_storages(layer.value_codec))
+        assert held_decode_constants(layer) is first
+        for other in (copy.deepcopy(cache), GSRQCache(model.config, codebooks=tiny_codebooks_dir, attention="codes",
+                                                      **CODED)):
+            assert held_decode_constants(other.layers[0]) is first
+        # everything the codecs hold but the constants themselves (held on the key codec)
+        key_codec_state = {name: value for name, value in vars(layer.key_codec).items() if name != _DECODE_CONSTANTS}
+        held_by_codecs = set(tensor_storages(key_codec_state)) | set(tensor_storages(layer.value_codec))
         # values coded given the keys (the default): the prediction folded into the key codes' terms, built once per
         # codec pair and shared by every cache of the codebooks
         held_by_codecs |= set(tensor_storages(list(layer.value_codec.attention_prediction(layer.key_codec))))
@@ -112,7 +119,7 @@ def test_layer_decode_constants_are_the_codecs_tables_and_follow_the_key_table_d
         assert first.key_table.dtype == torch.int16 and first.key_table_step is not None
         monkeypatch.setenv("HF_KVCODECS_KEY_TABLE", "float32")
         model(ids[:, 32:33], cache=cache)
-        rebuilt = _DECODE_CONSTANTS[layer][1]
+        rebuilt = held_decode_constants(layer)
         assert rebuilt is not first and rebuilt.key_table.dtype == torch.float32 and rebuilt.key_table_step is None
 
 

@@ -129,7 +129,7 @@ def test_compiled_loop_reads_them_as_per_head_keys_and_equals_the_dequantize_pat
     assert cache.attention_path == "codes" and layer.last_attention == "codes"
     assert isinstance(layer.key_codec, ConditionalHeadResidualVQ) and not layer.key_codec.predicts_across_heads
     assert layer.region_lengths()["codes"] > 0
-    constants = cache_attention._DECODE_CONSTANTS[layer][1]
+    constants = cache_attention.held_decode_constants(layer)
     assert not constants.conditional_keys  # the per-head key loop, not the one for keys predicted across heads
     assert constants.key_table.shape == (2, layer.key_codec.num_stages * layer.key_codec.codebook_size, 64)
     assert torch.equal(got, expected)
@@ -153,7 +153,7 @@ def test_head_sizes_without_a_conditional_loop_use_the_per_head_loop(tiny_model,
     got, cache = generate_gsrq(tiny_model, ids, directory, "auto")
     assert cache.layers[0].key_codec.head_dim == 16 and cache.layers[0].last_attention == "codes"
     if native_ops() is not None:  # head_dim 16: no loop for keys predicted across heads, the per-head one reads them
-        assert not cache_attention._DECODE_CONSTANTS[cache.layers[0]][1].conditional_keys
+        assert not cache_attention.held_decode_constants(cache.layers[0]).conditional_keys
     assert torch.equal(got, expected)
 
 

@@ -9,7 +9,6 @@ off per decoded token.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -138,9 +137,17 @@ def gsrq_layer_attention(layer, query: torch.Tensor, attention_mask, scaling: fl
     return out.to(query.dtype)
 
 
-# per layer: (what the constants were built from, DecodeConstants); weakly keyed so that a layer's deep copy or
-# memory count never sees them (they are views of its codecs' shared tables)
-_DECODE_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Attribute of a layer's key codec that holds its DecodeConstants, per value codec it was paired with: on the codec,
+# every cache built from the same codebooks (and a deep copy of one) shares them, and a walk of a cache's objects
+# (bench.memory) reaches every tensor they hold.
+_DECODE_CONSTANTS = "_decode_constants"
+
+
+def held_decode_constants(layer) -> DecodeConstants | None:
+    """The :class:`DecodeConstants` the layer's code-reading steps read, or None before its first such step (they
+    are built lazily, per layer)."""
+    held = layer.key_codec.__dict__.get(_DECODE_CONSTANTS, {}).get(id(layer.value_codec))
+    return None if held is None else held[1]
 
 
 def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
@@ -148,8 +155,10 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
     table dtype or the scales' form change."""
     key_codec, value_codec = layer.key_codec, layer.value_codec
     table_dtype = native_key_table_dtype()
-    source = (key_codec, value_codec, table_dtype, key_levels, value_levels)
-    held = _DECODE_CONSTANTS.get(layer)
+    source = (value_codec, table_dtype, key_levels, value_levels)
+    # keyed by the value codec's id: the entry holds that codec, so its id cannot be reused while the entry lives
+    by_value_codec = key_codec.__dict__.setdefault(_DECODE_CONSTANTS, {})
+    held = by_value_codec.get(id(value_codec))
     if held is not None and all(a is b for a, b in zip(held[0], source)):
         return held[1]
     conditional = _predicted_across_heads(key_codec)
@@ -167,7 +176,7 @@ def _layer_decode_constants(layer, key_levels, value_levels) -> DecodeConstants:
         key_levels, key_table, key_mean, key_codec.codebook_size,
         value_levels, value_codebooks, value_stage_groups, value_mean, value_synthesis, conditional_keys=conditional,
         value_prediction=prediction, value_predictor=predictor)
-    _DECODE_CONSTANTS[layer] = (source, constants)
+    by_value_codec[id(value_codec)] = (source, constants)
     return constants
 
 
