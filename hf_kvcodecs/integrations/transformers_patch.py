@@ -36,6 +36,8 @@ CACHE_IMPLEMENTATIONS: dict[str, Callable] = {}
 # The token ids the innermost generate() call was given: _prepare_cache_for_generation does not receive them, and a
 # cache bound to a prompt (SCD's, rebuilt from a payload) must check them before generation starts.
 _GENERATE_PROMPT: contextvars.ContextVar = contextvars.ContextVar("hf_kvcodecs_generate_prompt", default=None)
+# names GenerationConfig accepts before their caches were registered (accept_cache_implementation_names)
+_ACCEPTED_AHEAD: set[str] = set()
 _warned: set[str] = set()  # one warning per reason, not one per name registered at import
 
 
@@ -103,6 +105,7 @@ def register_cache_implementation(name: str, factory: Callable, *, strict: bool 
     """
     problems = transformers_problems()
     if problems:
+        _take_back_names_accepted_ahead()
         message = _unsupported_message(name, problems)
         if strict:
             raise TransformersIntegrationError(message)
@@ -120,6 +123,37 @@ def register_cache_implementation(name: str, factory: Callable, *, strict: bool 
     _wrap_prepare_cache(GenerationMixin)
     _wrap_generate(GenerationMixin)
     return True
+
+
+def accept_cache_implementation_names(generation_configuration, names: tuple[str, ...]) -> None:
+    """Let ``GenerationConfig`` accept ``names`` before their caches are registered.
+
+    ``import hf_kvcodecs`` registers once transformers' model code loads (torch comes with it), but a
+    ``GenerationConfig(cache_implementation="gsrq")`` may be built before that: it checks the name when built and
+    needs only ``generation_configuration`` (``transformers.generation.configuration_utils``, just loaded). Only the
+    version is checked here (the rest of :func:`transformers_problems` needs the model code); should
+    :func:`register_cache_implementation` later find the private symbols changed, it takes the names back.
+    """
+    import transformers
+
+    low, high = SUPPORTED_TRANSFORMERS
+    accepted = getattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", None)
+    if not low <= Version(Version(transformers.__version__).base_version) < high or not isinstance(accepted, (tuple, list)):
+        return
+    new = tuple(name for name in names if name not in accepted)
+    generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(accepted) + new
+    _ACCEPTED_AHEAD.update(new)
+
+
+def _take_back_names_accepted_ahead() -> None:
+    """Names accepted ahead whose caches were never registered: generate() could not build them."""
+    import transformers.generation.configuration_utils as generation_configuration
+
+    unregistered = _ACCEPTED_AHEAD - CACHE_IMPLEMENTATIONS.keys()
+    accepted = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    if unregistered and isinstance(accepted, (tuple, list)):
+        generation_configuration.ALL_CACHE_IMPLEMENTATIONS = tuple(name for name in accepted if name not in unregistered)
+    _ACCEPTED_AHEAD.difference_update(unregistered)
 
 
 def _cache_options(model, generation_config, implementation: str, artifact_options: tuple[str, ...] = ()) -> dict:
