@@ -110,7 +110,7 @@ def test_importing_the_package_registers_every_kv_artifact():
     assert KV_ARTIFACTS == {"gsrq": GSRQ_CODEBOOKS, "scd": SCD_KNOWLEDGE_BASE}
     assert kv_artifact("scd") is SCD_KNOWLEDGE_BASE and kv_artifacts.GSRQ_CODEBOOKS is GSRQ_CODEBOOKS
     assert kv_artifacts.kv_artifact is kv_artifact
-    # importing only the quantization layer runs hf_kvcodecs' __init__ first, which imports both methods
+    # importing only the quantization layer imports both methods first (hf_kvcodecs' __init__ sees to it)
     import subprocess
     import sys
 

@@ -174,6 +174,72 @@ def test_fresh_import_outside_the_range_keeps_cache_objects_usable(tiny_codebook
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+REGISTERED_WHEN_MODEL_CODE_LOADS = """
+import sys, warnings
+warnings.simplefilter("error", UserWarning)  # an UnsupportedTransformersWarning or a failed registration fails it
+import hf_kvcodecs
+assert not {"torch", "transformers"} & set(sys.modules), "import hf_kvcodecs must stay light"
+from transformers import GenerationConfig
+GenerationConfig(cache_implementation="gsrq", cache_config={"bits": 2.0})  # before any model class
+assert "torch" not in sys.modules
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import transformers.generation.configuration_utils as generation_configuration
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from hf_kvcodecs.integrations import transformers_patch
+from hf_kvcodecs.quantization import KVCodecsConfig, KVCodecsHfQuantizer
+
+assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS.count("gsrq") == 1
+assert transformers_patch.CACHE_IMPLEMENTATIONS == {"gsrq": hf_kvcodecs.GSRQCache, "scd": hf_kvcodecs.SCDTransferCache}
+assert AUTO_QUANTIZATION_CONFIG_MAPPING["hf_kvcodecs"] is KVCodecsConfig is hf_kvcodecs.KVCodecsConfig
+assert AUTO_QUANTIZER_MAPPING["hf_kvcodecs"] is KVCodecsHfQuantizer
+assert hf_kvcodecs.gsrq.GSRQCache is hf_kvcodecs.GSRQCache and "SQuaTTrainer" in dir(hf_kvcodecs)
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)).eval()
+ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+kwargs = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+reference = model.generate(ids, **kwargs)
+out = model.generate(ids, cache_implementation="gsrq", return_dict_in_generate=True,
+                     cache_config={"codebooks": sys.argv[1], "window_length": 10_000}, **kwargs)
+assert type(out.cache).__name__ == "GSRQCache" and torch.equal(out.sequences, reference)
+print("ok")
+"""
+
+
+def test_a_fresh_import_registers_once_transformers_loads_its_model_code(tiny_codebooks_dir, tmp_path):
+    """`import hf_kvcodecs` in a new interpreter loads neither torch nor transformers; the registration is in place by
+    the time a model class exists, and a GenerationConfig built before any takes the names."""
+    result = subprocess.run([sys.executable, "-c", REGISTERED_WHEN_MODEL_CODE_LOADS, str(tiny_codebooks_dir)],
+                            cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+@needs_supported
+def test_names_accepted_ahead_are_taken_back_when_the_symbols_turn_out_changed(monkeypatch, fresh_warnings):
+    monkeypatch.setattr(generation_configuration, "ALL_CACHE_IMPLEMENTATIONS", generation_configuration.ALL_CACHE_IMPLEMENTATIONS)
+    monkeypatch.setattr(transformers_patch, "_ACCEPTED_AHEAD", set())
+    names_before = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    transformers_patch.accept_cache_implementation_names(generation_configuration, ("ahead", "gsrq"))
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS == names_before + ("ahead",)  # gsrq was there already
+    transformers.GenerationConfig(cache_implementation="ahead")
+    monkeypatch.setattr(transformers_patch, "transformers_problems", lambda: ["GenerationMixin.generate changed"])
+    with pytest.warns(transformers_patch.UnsupportedTransformersWarning, match="GenerationMixin.generate changed"):
+        assert transformers_patch.register_cache_implementation("ahead", hf_kvcodecs.GSRQCache) is False
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS == names_before
+    with pytest.raises(ValueError, match="Invalid `cache_implementation`"):
+        transformers.GenerationConfig(cache_implementation="ahead")
+
+
+def test_no_name_is_accepted_ahead_outside_the_supported_range(monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "6.0.0")
+    names_before = generation_configuration.ALL_CACHE_IMPLEMENTATIONS
+    transformers_patch.accept_cache_implementation_names(generation_configuration, ("ahead",))
+    assert generation_configuration.ALL_CACHE_IMPLEMENTATIONS is names_before
+
+
 SHADOWED_IMPORT = """
 import sys
 import kernels

@@ -8,7 +8,8 @@ accepts the implementation and its ``kv_cache_config`` keys, ``from_pretrained``
 weights or on the model's Hub repo at the same commit and checks it against the model, ``save_pretrained`` /
 ``push_to_hub`` write it into the checkpoint's :attr:`KVArtifact.folder`).
 
-Importing ``hf_kvcodecs`` imports every method, so every kind is registered before a checkpoint is loaded.
+``hf_kvcodecs``' ``__init__`` imports every method before the quantization layer and before transformers can load a
+model, so every kind is registered before a checkpoint is loaded.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 The registry lives below the methods so that each method can register its own entry from its ``__init__``
 (``hf_kvcodecs.gsrq.artifact``, ``hf_kvcodecs.scd.artifact``); this module re-exports it for the quantizer and imports
-no method. ``GSRQ_CODEBOOKS`` is looked up in the registry when first asked for: any import of
-``hf_kvcodecs.quantization`` runs ``hf_kvcodecs``' ``__init__`` first, which imports ``hf_kvcodecs.gsrq`` (and so
-registers it) before the quantization layer.
+no method. ``GSRQ_CODEBOOKS`` is looked up in the registry when first asked for: ``hf_kvcodecs``' ``__init__`` has
+every import of ``hf_kvcodecs.quantization`` import the methods first (and so register them).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ def __getattr__(name: str) -> KVArtifact:
     artifact = KV_ARTIFACTS.get(implementation)
     if artifact is None:
         raise ImportError(f"No KV artifact is registered for cache_implementation={implementation!r} yet: "
-                          f"hf_kvcodecs.{implementation} registers it when imported (import hf_kvcodecs does).")
+                          f"hf_kvcodecs.{implementation} registers it when imported (importing hf_kvcodecs.quantization does).")
     return artifact
 
 
