@@ -26,9 +26,10 @@ COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("ben
             ("scd", "fit"), ("export",)}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
 PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("scd", "fit")}
-# Imported by commands when they run, never by `import hf_kvcodecs` (the package's own imports, which register it with
-# transformers, already load torch, transformers and the GSRQ cache and calibration).
-HEAVY_MODULES = ["matplotlib", "hf_kvcodecs.bench.harness", "hf_kvcodecs.bench.kv", "hf_kvcodecs.bench.decode",
+# Imported by commands when they run, never by building the parser or printing --help: `import hf_kvcodecs` imports
+# none of them either (it registers with transformers once transformers loads its model code).
+HEAVY_MODULES = ["torch", "transformers", "numpy", "matplotlib", "hf_kvcodecs.gsrq", "hf_kvcodecs.scd",
+                 "hf_kvcodecs.quantization", "hf_kvcodecs.bench.harness", "hf_kvcodecs.bench.kv", "hf_kvcodecs.bench.decode",
                  "hf_kvcodecs.bench.bit_split", "hf_kvcodecs.bench.weights", "hf_kvcodecs.bench.codec_ablation",
                  "hf_kvcodecs.quantization.compress", "hf_kvcodecs.gsrq.store", "hf_kvcodecs.evaluation.paired",
                  "hf_kvcodecs.bench.scd", "hf_kvcodecs.scd.consumer"]
@@ -128,6 +129,31 @@ def test_the_mirrored_library_values_are_the_library_values(monkeypatch, tmp_pat
     assert defaults.CODEBOOK_STORE.startswith("$HF_KVCODECS_CACHE/codebooks,") and "~/.cache/hf_kvcodecs" in defaults.CODEBOOK_STORE
 
 
+def test_the_gsrq_cache_options_are_gsrq_cache_config_s():
+    """defaults.GSRQ_CACHE_OPTIONS is GSRQCacheConfig's command-line options as the parser needs them; on a change to
+    the dataclass, the assertion message is the table to paste."""
+    import typing
+
+    from hf_kvcodecs.gsrq.config import GSRQCacheConfig
+
+    def value_type(name):
+        kinds = [kind for kind in typing.get_args(typing.get_type_hints(GSRQCacheConfig)[name]) if kind is not type(None)]
+        return kinds[0] if kinds else typing.get_type_hints(GSRQCacheConfig)[name]
+
+    library = {name: {"type": value_type(name), "default": GSRQCacheConfig.defaults()[name],
+                      "choices": GSRQCacheConfig.metadata(name)["choices"], "help": GSRQCacheConfig.metadata(name)["help"]}
+               for name in GSRQCacheConfig.option_names(cli=True)}
+    assert defaults.GSRQ_CACHE_OPTIONS == library, library
+    assert list(defaults.GSRQ_CACHE_OPTIONS) == list(library)  # the order --help lists them in
+    demo = _leaf_parsers()[("demo",)]
+    for name, option in library.items():
+        if name == "bits":
+            continue  # the demo's own --bits takes several rates
+        action = next(action for action in demo._actions if action.dest == name)
+        assert (action.type, action.default, action.choices, action.help) == (
+            option["type"], option["default"], option["choices"], option["help"]), name
+
+
 def _signature_defaults(function):
     return {name: p.default for name, p in inspect.signature(function).parameters.items() if p.default is not p.empty}
 
@@ -187,12 +213,13 @@ def test_the_parser_defaults_are_the_library_defaults():
 
 
 def test_building_the_parser_and_printing_help_imports_no_heavy_module():
-    """In a fresh interpreter: every sub-command's --help (and `python -m hf_kvcodecs.cli --help`) imports nothing
-    beyond what `import hf_kvcodecs` imports, except the cli package itself."""
+    """In a fresh interpreter: `hf-kvcodecs --help`, every sub-command's --help and `python -m hf_kvcodecs.cli --help`
+    import neither torch nor transformers, and of the package only the cli and what `import hf_kvcodecs` loads."""
     script = f"""
 import json, runpy, sys
+sys.argv = ["hf-kvcodecs", "--help"]
 import hf_kvcodecs
-before = set(sys.modules)
+package = sorted(name for name in sys.modules if name.startswith("hf_kvcodecs"))
 from hf_kvcodecs import cli
 codes = []
 for argv in {[[], *[list(path) for path in sorted(COMMANDS)], ["bench"]]!r}:
@@ -205,13 +232,16 @@ try:
     runpy.run_module("hf_kvcodecs.cli", run_name="__main__")
 except SystemExit as exit_:
     codes.append(exit_.code)
-print(json.dumps({{"codes": codes, "new": sorted(set(sys.modules) - before),
+print(json.dumps({{"codes": codes, "package": package,
+                  "new": sorted(name for name in sys.modules if name.startswith("hf_kvcodecs") and name not in package),
                   "heavy": [name for name in {HEAVY_MODULES!r} if name in sys.modules]}}))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["codes"] == [0] * (len(COMMANDS) + 3)
     assert report["heavy"] == [], "imported by --help: by the cli package, or by `import hf_kvcodecs` itself"
+    assert report["package"] == ["hf_kvcodecs", "hf_kvcodecs.integrations", "hf_kvcodecs.integrations.import_hooks",
+                                 "hf_kvcodecs.version"]
     assert [name for name in report["new"] if not name.startswith("hf_kvcodecs.cli")] == []
 
 

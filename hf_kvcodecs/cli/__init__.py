@@ -1,9 +1,9 @@
 """Command line: `hf-kvcodecs demo | calibrate | push-codebooks | compress | export | bench kv | bench memory |
 bench codec | bench weights | bench split | bench decode | scd make-consumer | scd fit`."""
 
-# Building the parser imports no module `import hf_kvcodecs` has not imported: each command imports what it needs when it
-# runs, and the values the parser shows come from .defaults (checked against the library by tests/test_cli.py) or, for
-# the GSRQ cache options, from GSRQCacheConfig itself (._gsrq_options), which the package imports anyway.
+# Building the parser and printing --help import neither torch nor transformers (`import hf_kvcodecs` imports neither
+# either): each command imports what it needs when it runs, and the values the parser shows come from .defaults
+# (checked against the library by tests/test_cli.py).
 
 from __future__ import annotations
 

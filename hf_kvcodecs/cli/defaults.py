@@ -51,3 +51,29 @@ DECODE_CONTEXTS = (1024, 4096, 8192)  # bench.decode.DECODE_CONTEXTS
 DECODE_STEPS = 132  # bench.decode.DECODE_STEPS
 WEIGHT_METHODS = ("fp32", "rtn-w8", "rtn-w4", "rtn-w3", "rtn-w2", "rtn-w4-g32", "rtn-w3-g32", "rtn-w2-g32", "bnb-nf4",
                   "bnb-int8", "quanto-int4", "quanto-int2")  # bench.weights.METHOD_NAMES
+
+# The GSRQ cache options `demo` offers: GSRQCacheConfig.option_names(cli=True), in field order, each with the type
+# argparse converts it with (the field's type without its None), its default, choices and help. GSRQCacheConfig still
+# checks the values when the command builds the cache.
+GSRQ_CACHE_OPTIONS = {
+    "bits": {"type": float, "default": 2.0, "choices": None,
+             "help": "bits per KV element, the per-vector scale included"},
+    "key_bits": {"type": float, "default": None, "choices": None,
+                 "help": "bits per key element, overriding the rate of --bits (default: --bits)"},
+    "value_bits": {"type": float, "default": None, "choices": None,
+                   "help": "bits per value element, overriding the rate of --bits (default: --bits)"},
+    "window_length": {"type": int, "default": 32, "choices": None,
+                      "help": "most recent tokens the GSRQ cache keeps exact"},
+    "flush_interval": {"type": int, "default": 32, "choices": None,
+                       "help": "tokens that accumulate beyond the exact window before they are coded together"},
+    "num_sink_tokens": {"type": int, "default": 4, "choices": None,
+                        "help": "first tokens the GSRQ cache keeps exact (attention sinks)"},
+    "attention": {"type": str, "default": "auto", "choices": ("auto", "codes", "dequantize"),
+                  "help": "how attention reads the coded history: 'codes' reads the codes, 'dequantize' decodes them "
+                          "for the model's own attention, 'auto' picks 'codes' when the model runs the code-reading "
+                          "attention"},
+    "beam_width": {"type": int, "default": 8, "choices": None,
+                   "help": "code paths the encoder keeps per group of stages (1: greedy, up to 64)"},
+    "gain": {"type": str, "default": "norm", "choices": ("norm", "least_squares", "rms"),
+             "help": "how each coded vector's scale is chosen once its codes are"},
+}
