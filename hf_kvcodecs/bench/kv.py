@@ -30,7 +30,7 @@ from .harness import (
     long_context_tasks,
     shipped_baselines,
 )
-from .memory import cache_bytes, shared_storages
+from .memory import cache_footprint, dynamic_cache_bytes
 from .report import write_reports
 
 GSRQ_RATES = (1.0, 2.0)  # bits per KV element, scales included
@@ -277,11 +277,13 @@ def check_rates_offered(config, rates, layouts) -> None:
 
 
 def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,
-                   progress: bool = True) -> dict:
+                   learners=tuple(GSRQ_LEARNERS), progress: bool = True) -> dict:
     """Bits per K/V element held by each cache after prefilling ``context`` tokens of real text and after
     ``decode_steps`` more, counted from the tensors the cache holds (codebook tables shared per model reported apart);
-    and, at the next decode step, the relative squared error of the keys and values attention reads from each cache
-    against the full-precision cache's (the first method).
+    after the decode steps, the total each cache holds with every per-model table it references (what the model's
+    only cache costs), beside what a 16-bit DynamicCache holds for the same tokens; and, at the next decode step,
+    the relative squared error of the keys and values attention reads from each cache against the full-precision
+    cache's (the first method). ``learners``: the GSRQ rows' codebook learners (each calibrated unless stored).
     """
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
@@ -290,30 +292,31 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
     # transformers' caches only: TurboQuant's bits held and quality are measured by bench kv
     methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name
                and m.family in (FULL_PRECISION, TRANSFORMERS_QUANTIZED)]
-    methods += gsrq_methods(loaded, text=None, store=store, progress=progress)
+    methods += gsrq_methods(loaded, learners=tuple(learners), text=None, store=store, progress=progress)
     rows, reference_inputs = [], {}
     # Every method is measured at the same lengths (the least common multiple of their prefill constraints), so
     # that their keys and values can be compared token for token with the reference's.
     multiple = math.lcm(*(max(method.prefill_multiple, 1) for method in methods))
+    lengths = [context - context % multiple for context in contexts]
     for method in tqdm(methods, desc="memory", disable=not progress):
         row = {"method": method.name}
-        for context in contexts:
-            context = context - context % multiple
+        for context in lengths:
             cache = method.make_cache(loaded.model)
             with torch.inference_mode():
                 loaded.model(token_ids[None, :context], cache=cache)
                 # After a prefill, so that lazily built per-model tables exist and are recognised as shared.
-                shared = shared_storages(cache, method.make_cache(loaded.model))
-                row["shared_mib"] = sum(shared.values()) / 2**20
-                row[f"bits_after_prefill@{context}"] = 8 * cache_bytes(cache, excluding=shared) / (context * elements_per_token)
+                footprint = cache_footprint(cache, method.make_cache(loaded.model))
+                row["shared_mib"] = footprint.table_bytes / 2**20
+                row[f"bits_after_prefill@{context}"] = 8 * footprint.state_bytes / (context * elements_per_token)
                 for step in range(decode_steps):
                     loaded.model(token_ids[None, context + step : context + step + 1], cache=cache)
             held = context + decode_steps
-            # Again: per-model tables built lazily by the first decode step (the code-reading attention's folded key
+            # Again: per-model tables built lazily by the first decode step (the code-reading attention's key
             # tables) are reachable from a fresh cache of the method too, so they are shared, not held per token.
-            shared = shared_storages(cache, method.make_cache(loaded.model))
-            row["shared_mib"] = sum(shared.values()) / 2**20
-            row[f"bits_after_decode@{context}"] = 8 * cache_bytes(cache, excluding=shared) / (held * elements_per_token)
+            footprint = cache_footprint(cache, method.make_cache(loaded.model))
+            row["shared_mib"] = footprint.table_bytes / 2**20
+            row[f"bits_after_decode@{context}"] = 8 * footprint.state_bytes / (held * elements_per_token)
+            row[f"total_mib@{held}"] = footprint.total_bytes / 2**20
             with torch.inference_mode(), recorded_attention_inputs(loaded.model) as attention_inputs:
                 loaded.model(token_ids[None, held : held + 1], cache=cache)
             if not reference_inputs.get(context):
@@ -322,7 +325,10 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
             row[f"key_error@{context}"], row[f"value_error@{context}"] = errors["keys"], errors["values"]
             del cache, attention_inputs
         rows.append(row)
-    return {"model": loaded.description, "text": corpus.description, "decode_steps": decode_steps, "rows": rows}
+    sixteen_bit = {str(context + decode_steps): dynamic_cache_bytes(loaded.model.config, context + decode_steps) / 2**20
+                   for context in lengths}
+    return {"model": loaded.description, "text": corpus.description, "decode_steps": decode_steps, "rows": rows,
+            "bf16_dynamic_cache_mib": sixteen_bit}
 
 
 def memory_markdown(results: dict) -> str:
@@ -338,6 +344,24 @@ def memory_markdown(results: dict) -> str:
     for row in results["rows"]:
         cells = [f"{row[k]:.2f}" for k in keys]
         lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {16 / row[keys[-1]]:.1f}x | {row['shared_mib']:.1f} |")
+    sixteen_bit = results.get("bf16_dynamic_cache_mib")
+    if sixteen_bit:
+        lengths = list(sixteen_bit)
+        lines += [
+            "",
+            f"Total MiB held after the {results['decode_steps']} decode steps, at each number of tokens held: the "
+            "cache with every per-model table it references (codebooks and the tables built from them, e.g. the "
+            "code-reading attention's key tables; what the model's only cache costs), against a bf16 DynamicCache "
+            "holding the same tokens (tokens x layers x 2 x KV heads x head_dim x 2 bytes):",
+            "",
+            "| method | " + " | ".join(f"total MiB @{n}" for n in lengths) + f" | ratio to bf16 DynamicCache @{lengths[-1]} |",
+            "|---|" + "---|" * (len(lengths) + 1),
+            "| bf16 DynamicCache (computed) | " + " | ".join(f"{sixteen_bit[n]:.1f}" for n in lengths) + " | 1.00x |",
+        ]
+        for row in results["rows"]:
+            cells = [f"{row[f'total_mib@{n}']:.1f}" for n in lengths]
+            ratio = row[f"total_mib@{lengths[-1]}"] / sixteen_bit[lengths[-1]]
+            lines.append(f"| {row['method']} | " + " | ".join(cells) + f" | {ratio:.2f}x |")
     if error_keys:
         lines += [
             "",

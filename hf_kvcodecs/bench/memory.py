@@ -11,9 +11,12 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..models import model_fingerprint
 
 # Identifies one allocation while it is alive: two live tensors share a key exactly when they share memory.
 StorageKey = tuple[str, int]
@@ -101,3 +104,38 @@ def shared_storages(*caches) -> dict[StorageKey, int]:
         held = tensor_storages(cache)
         common = {key: size for key, size in common.items() if key in held}
     return {key: size for key, size in common.items() if size > 0}
+
+
+@dataclass(frozen=True)
+class CacheFootprint:
+    """What a cache costs in memory, counted from the tensors it references (see :func:`cache_footprint`)."""
+
+    state_bytes: int  # held for this cache's own tokens: codes, scales, exact windows, positions
+    table_bytes: int  # per-model tables it references, shared with every cache of the model: codebooks and the
+    # tables built from them (lazily, by the steps that read them)
+
+    @property
+    def total_bytes(self) -> int:
+        """What keeping this cache alive costs when it is the model's only cache: its state and every table."""
+        return self.state_bytes + self.table_bytes
+
+
+def cache_footprint(cache, twin) -> CacheFootprint:
+    """``cache``'s bytes, its own state apart from the per-model tables it references.
+
+    ``twin`` is a second cache made the same way (the same factory, alive during the call), typically fresh: the
+    storages both reach are the tables. Tables built lazily (e.g. the GSRQ code-reading attention's key tables, built
+    by a layer's first decode step) are reachable from the twin once built, so measure after the steps of interest.
+    The total is every storage reachable from ``cache`` (:func:`cache_bytes` with nothing excluded), however it
+    splits.
+    """
+    shared = shared_storages(cache, twin)
+    return CacheFootprint(state_bytes=cache_bytes(cache, excluding=shared), table_bytes=sum(shared.values()))
+
+
+def dynamic_cache_bytes(config, tokens: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes a transformers ``DynamicCache`` of ``dtype`` holds for ``tokens`` tokens of one sequence of the model
+    whose config is ``config``: the keys and values of every layer and KV head, nothing else."""
+    shape = model_fingerprint(config)
+    elements = shape["num_hidden_layers"] * 2 * shape["num_key_value_heads"] * shape["head_dim"]
+    return tokens * elements * torch.empty((), dtype=dtype).element_size()
