@@ -126,7 +126,7 @@ def test_least_squares_gain_is_refitted_to_the_coded_shape_and_never_loses(scale
     assert torch.all(refitted <= plain * (1 + 1e-5) + 1e-7)  # a vector keeps the RMS scale when refitting loses
     assert refitted.sum() < 0.97 * plain.sum()  # the scale also codes the error along the decoded shape
     assert (stored != rms_stored).float().mean() > 0.5
-    for stages in (1, 0):  # lower rates (prefixes reading the parent's decode table), down to the mean alone
+    for stages in (1, 0):  # lower rates (prefixes of the parent's stages), down to the mean alone
         prefix = codec.truncated(stages)
         prefix_codes, prefix_stored = prefix.encode(test, gain="least_squares")
         # the gain is chosen after the codes, never before (greedy codes of a prefix are a prefix of the codes)

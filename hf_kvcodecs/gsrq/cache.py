@@ -207,10 +207,11 @@ class GSRQCache(Cache):
             yield keys, values, None
 
     def __deepcopy__(self, memo):
-        """A copy of the held tokens that shares the codebooks and per-layer codecs (with the decode tables built on
-        them) with this cache, as a second cache built from the same codebooks does. transformers' prefix-caching
-        recipe deep-copies a prompt's cache once per request; copying the model-level tables too would cost their
-        100+ MiB per copy on the default model and rebuild them on the copy's first step."""
+        """A copy of the held tokens that shares the codebooks and per-layer codecs (with the tables the code-reading
+        attention builds on them) with this cache, as a second cache built from the same codebooks does.
+        transformers' prefix-caching recipe deep-copies a prompt's cache once per request; copying the model-level
+        tables too would cost their tens of MiB per copy on the default model and rebuild them on the copy's first
+        step."""
         for shared in self._model_level_state():
             memo.setdefault(id(shared), shared)
         copied = self.__class__.__new__(self.__class__)

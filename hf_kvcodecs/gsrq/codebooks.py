@@ -59,7 +59,7 @@ class GSRQCodebooks:
 
     def codecs_at(self, kind: str, num_stages: int) -> list[KVCodec]:
         """Per-layer ``kind`` ("keys"/"values") codecs truncated to ``num_stages``, memoized so that every cache at
-        the same rate shares one set of codecs (and their decode tables)."""
+        the same rate shares one set of codecs (and the tables built on them)."""
         if (kind, num_stages) not in self._truncated:
             codecs = self.key_codecs if kind == "keys" else self.value_codecs
             self._truncated[(kind, num_stages)] = [codec.truncated(num_stages) for codec in codecs]
