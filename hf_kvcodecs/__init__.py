@@ -40,8 +40,8 @@ _LAZY = {
     "register_cache_implementation": "integrations.transformers_patch",
     "model_rope_inv_freq": "rope",
 }
-# The transformers modules the registration patches (GenerationMixin, AttentionInterface and the quantizer mappings
-# live in or under them): any one of them loaded means a model class is being defined.
+# What every model class imports before it exists: GenerationMixin (generation.utils) and PreTrainedModel, which brings
+# the attention and quantizer registries (modeling_utils). Either one loaded means a model is about to be built.
 _TRANSFORMERS_MODEL_CODE = ("transformers.modeling_utils", "transformers.generation.utils")
 _CACHE_IMPLEMENTATIONS = ("gsrq", "scd")
 
