@@ -1,8 +1,9 @@
 """GSRQCacheConfig: every option of the GSRQ cache, its default, its type and its check, in one place.
 
-``GSRQCache(model.config, **options)``, ``generate(..., cache_implementation="gsrq", cache_config=options)``, the
-``kv_cache_config`` a compressed checkpoint carries and the options of ``hf-kvcodecs demo`` all read their names,
-defaults and checks from this dataclass, so none of them keeps a list of its own.
+``GSRQCache(model.config, **options)``, ``generate(..., cache_implementation="gsrq", cache_config=options)`` and the
+``kv_cache_config`` a compressed checkpoint carries read their names, defaults and checks from this dataclass. The
+options of ``hf-kvcodecs demo`` are a copy (``cli.defaults.GSRQ_CACHE_OPTIONS``, so that ``--help`` imports no torch),
+which a test checks against this dataclass field by field.
 """
 
 from __future__ import annotations
