@@ -77,6 +77,10 @@ def add_parser(commands) -> None:
                      help="with --patch-layers in recompute mode: each block's depth (default 1 each)")
     fit.add_argument("--exact-tokens", type=int, default=SCD_FIT["exact_tokens"],
                      help="first tokens of each prompt (attention sinks) the consumer computes itself")
+    fit.add_argument("--encoders-from", type=Path, default=None, metavar="KB_DIR",
+                     help="keep the producer encoders and Patch layers of this saved knowledge base (same producer, "
+                          "PCA codes) and fit only this consumer's decoders and ranks, so one stored set of producer "
+                          "codes serves both consumers (hf_kvcodecs.scd.code_store)")
     fit.set_defaults(func=run_fit)
 
 
@@ -101,7 +105,8 @@ def run_fit(args) -> int:
                               patch_mode=args.patch_mode, recompute_depths=tuple(args.recompute_depths),
                               max_recompute_layers=args.max_recompute_layers,
                               patch_layers=None if args.patch_layers is None else tuple(args.patch_layers),
-                              patch_depths=None if args.patch_depths is None else tuple(args.patch_depths))
+                              patch_depths=None if args.patch_depths is None else tuple(args.patch_depths),
+                              encoders_from=None if args.encoders_from is None else str(args.encoders_from))
     settings.check()
     ids = tokenize_corpus(producer.tokenizer, corpus)
     kb = fit_knowledge_base(producer.model, consumer.model, ids, settings=settings, text_info=corpus,
@@ -121,6 +126,7 @@ def run_fit(args) -> int:
         "compression_vs_16bit": round(fitting["compression_vs_16bit"], 2),
         "reuse_only_full_rank_kl": round(fitting["search"]["reuse_only_full_rank_kl"], 5),
         "seconds": round(fitting["seconds"], 1),
+        "shared_encoders": fitting.get("shared_encoders"),
     }
     print(json.dumps(summary, indent=2))
     return 0

@@ -39,6 +39,13 @@ from ..text import Corpus
 from .cache import rebuild_into
 from .coding import encode_layer, whiten_plan
 from .encode import exact_columns
+from .encoder_sharing import (
+    encoder_fingerprint,
+    load_encoder_source,
+    shared_decoder_map,
+    shared_layout,
+    source_maps,
+)
 from .knowledge_base import (
     CODE_BITS,
     CODE_FORMATS,
@@ -96,6 +103,9 @@ class SCDFitSettings:
     ridge: float = 1e-4
     tau_range: tuple[float, float] = (1e-4, 0.5)
     bisection_steps: int = 7
+    # a saved knowledge base of this producer (PCA codes) whose encoders and Patch layers this fit keeps exactly, so
+    # one set of stored producer codes serves both consumers (see encoder_sharing); only decoders and ranks are fitted
+    encoders_from: str | None = None
 
     def check(self) -> None:
         if self.encoder not in ENCODERS:
@@ -115,6 +125,9 @@ class SCDFitSettings:
                 raise ValueError("patch_depths gives one depth per layer of patch_layers; pass both, of equal length.")
             if self.patch_mode != "recompute" or any(type(d) is not int or d < 1 for d in self.patch_depths):
                 raise ValueError("patch_depths are positive depths of recompute Patch blocks (patch_mode='recompute').")
+        if self.encoders_from is not None and self.patch_layers is not None:
+            raise ValueError("encoders_from keeps the Patch layers of the knowledge base it names; leave patch_layers "
+                             "(--patch-layers) unset.")
         if self.window_tokens <= self.exact_tokens + 1 or self.holdout_context <= self.exact_tokens:
             raise ValueError("Windows and held-out contexts must be longer than the exact tokens.")
 
@@ -241,6 +254,42 @@ def _fit_maps(moments: PairMoments, settings: SCDFitSettings):
     return maps, curves
 
 
+def _share_encoders(source: SCDKnowledgeBase, moments: PairMoments, maps: dict[str, list[LowRankMap]],
+                    curves: dict[str, list[torch.Tensor]], ridge: float) -> None:
+    """Replace the fitted maps of every layer ``source`` codes with maps that keep its encoders exactly, decoded to
+    this pair's targets, and their error curves (over the source's ranks, which bound the ranks this plan sends)."""
+    for kind, by_layer in source_maps(source).items():
+        for index, mapping in by_layer.items():
+            shared = shared_decoder_map(mapping, getattr(moments, kind)[index], ridge=ridge)
+            maps[kind][index] = shared
+            curves[kind][index] = relative_error_by_rank(getattr(moments, kind)[index], shared)
+
+
+def _encoder_source(settings: SCDFitSettings, producer) -> SCDKnowledgeBase | None:
+    if settings.encoders_from is None:
+        return None
+    source = load_encoder_source(settings.encoders_from, model_identity(producer), encoder=settings.encoder,
+                                 patch_mode=settings.patch_mode)
+    if source.num_layers != shapes(producer).layers:
+        raise ValueError(f"{settings.encoders_from} plans {source.num_layers} layers; the producer has "
+                         f"{shapes(producer).layers}.")
+    return source
+
+
+def _sharing_record(source: SCDKnowledgeBase | None) -> dict | None:
+    if source is None:
+        return None
+    return {"knowledge_base": source.save_id, "encoder_fingerprint": encoder_fingerprint(source)}
+
+
+def _settings_record(settings: SCDFitSettings) -> dict:
+    return {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range),
+            "recompute_depths": list(settings.recompute_depths),
+            "patch_layers": None if settings.patch_layers is None else list(settings.patch_layers),
+            "patch_depths": None if settings.patch_depths is None else list(settings.patch_depths),
+            "encoders_from": None if settings.encoders_from is None else str(settings.encoders_from)}
+
+
 def _rank_for(curve: torch.Tensor, tau: float) -> int:
     """The smallest rank whose relative error exceeds the full-rank map's by at most ``tau`` (at least 1)."""
     floor = float(curve[-1])
@@ -330,6 +379,7 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
                          f"{settings.window_tokens}). Pass more text or lower the settings.")
     layers = shapes(producer).layers
     _check_forced_patches(settings, layers)  # before minutes of statistics
+    source = _encoder_source(settings, producer)
     statistics_ids, holdout_ids = calibration_ids[:-holdout_tokens], calibration_ids[-holdout_tokens:]
     count = min(settings.windows, statistics_ids.numel() // settings.window_tokens)
     stride = statistics_ids.numel() // count
@@ -337,6 +387,8 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     moments = accumulate_pair_moments(producer, consumer, windows, skip_first=settings.exact_tokens, progress=progress,
                                       patch_mode=settings.patch_mode)
     maps, curves = _fit_maps(moments, settings)
+    if source is not None:
+        _share_encoders(source, moments, maps, curves, settings.ridge)
     num_layers = len(maps["keys"])
     recompute = settings.patch_mode == "recompute"
     patch_kind = "residuals" if recompute else "inputs"
@@ -382,13 +434,15 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     patches: dict[int, int] = {}
     current = judge.kl(plan_at(0.0, patches, best_bits), best_bits)
     search["reuse_only_full_rank_kl"] = current
-    if settings.patch_layers is not None:
-        patches = _forced_patches(settings)
+    forced = shared_layout(source) if source is not None else \
+        _forced_patches(settings) if settings.patch_layers is not None else None
+    if forced is not None:
+        patches = forced
         search["forced_patch_layers"] = sorted(patches)
         search["forced_patch_depths"] = [patches[index] for index in sorted(patches)]
         search["forced_patch_full_rank_kl"] = judge.kl(plan_at(0.0, patches, best_bits), best_bits)
     floors = [float(curves["keys"][i][-1] + curves["values"][i][-1]) for i in range(num_layers)]
-    rounds = 0 if settings.patch_layers is not None else settings.max_patch_layers
+    rounds = 0 if forced is not None else settings.max_patch_layers
     with tqdm(total=rounds, desc="SCD patch layers", disable=not progress) as bar:
         for _ in range(rounds):
             trials = patch_trials(patches, floors, settings, lambda candidate: judge.kl(
@@ -441,10 +495,7 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
     model_shapes = shapes(producer)
     raw_bytes = 2 * model_shapes.layers * model_shapes.kv_width * 2
     fitting = {
-        "settings": {**asdict(settings), "code_bits": list(settings.code_bits), "tau_range": list(settings.tau_range),
-                     "recompute_depths": list(settings.recompute_depths),
-                     "patch_layers": None if settings.patch_layers is None else list(settings.patch_layers),
-                     "patch_depths": None if settings.patch_depths is None else list(settings.patch_depths)},
+        "settings": _settings_record(settings), "shared_encoders": _sharing_record(source),
         "text": text_info.to_dict() if isinstance(text_info, Corpus) else (text_info or {}),
         "statistics_tokens": moments.tokens, "statistics_windows": len(windows),
         "holdout_prompts": len(prompts), "budget_kl": settings.budget_kl, "budget_met": budget_met,
@@ -455,10 +506,12 @@ def fit_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, *, set
         "search": search, "measurements": judge.measurements, "seconds": time.perf_counter() - started,
         "error_curves": {kind: [[round(float(v), 6) for v in curve] for curve in curves[kind]] for kind in curves},
     }
-    keys = {layer.index: maps["keys"][layer.index].truncated(layer.key_rank) for layer in plan if layer.kind == "reuse"}
-    values = {layer.index: maps["values"][layer.index].truncated(layer.value_rank) for layer in plan
+    # shared encoders are saved whole (the source's ranks), so both knowledge bases hold the same producer half
+    kept = (lambda mapping, rank: mapping) if source is not None else (lambda mapping, rank: mapping.truncated(rank))
+    keys = {layer.index: kept(maps["keys"][layer.index], layer.key_rank) for layer in plan if layer.kind == "reuse"}
+    values = {layer.index: kept(maps["values"][layer.index], layer.value_rank) for layer in plan
               if layer.kind == "reuse"}
-    patch = {layer.index: maps[patch_kind][layer.index].truncated(layer.patch_rank) for layer in plan
+    patch = {layer.index: kept(maps[patch_kind][layer.index], layer.patch_rank) for layer in plan
              if layer.kind == "patch"}
     return SCDKnowledgeBase(plan, keys, values, {} if recompute else patch, bits, settings.exact_tokens, identity,
                             consumer_identity, tokenizer_sha256(tokenizer), fitting,
@@ -509,25 +562,31 @@ def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, 
                              patch_mode: str = "recompute", patch_depths: tuple[int, ...] | None = None,
                              code_bits: int = 16, ridge: float = 0.0, encoder: str = "pca",
                              code_format: str = "flat", code_gain: bool = False,
-                             tokenizer=None) -> SCDKnowledgeBase:
+                             tokenizer=None, encoders_from: str | None = None) -> SCDKnowledgeBase:
     """A knowledge base at full rank with no budget search (for exactness checks and ablations): every layer's maps
     at full rank, the given Patch layers (``patch_mode`` ``recompute`` with ``patch_depths``, default 1 each, or
     ``project``), ``code_bits`` codes. ``code_format="whitened"`` (below 16 bits) re-codes the full-rank plan at the
-    bytes of its flat ``code_bits`` codes (the maps stay at full rank; the plan's ranks are the allocations')."""
+    bytes of its flat ``code_bits`` codes (the maps stay at full rank; the plan's ranks are the allocations').
+    ``encoders_from`` (a saved knowledge base's directory) keeps its encoders and Patch layers, at its ranks."""
     settings = SCDFitSettings(windows=windows, window_tokens=window_tokens, exact_tokens=exact_tokens,
                               encoder=encoder, ridge=ridge, patch_mode=patch_mode, code_format=code_format,
                               code_gain=code_gain,
                               patch_layers=tuple(patch_layers) if patch_layers else None,
-                              patch_depths=tuple(patch_depths) if patch_depths else None)
+                              patch_depths=tuple(patch_depths) if patch_depths else None,
+                              encoders_from=encoders_from)
     settings.check()
     _check_forced_patches(settings, shapes(producer).layers)
+    source = _encoder_source(settings, producer)
     count = min(windows, calibration_ids.numel() // window_tokens)
     chunks = [calibration_ids[i * window_tokens:(i + 1) * window_tokens] for i in range(count)]
     moments = accumulate_pair_moments(producer, consumer, chunks, skip_first=exact_tokens, progress=False,
                                       patch_mode=patch_mode)
     maps, curves = _fit_maps(moments, settings)
+    if source is not None:
+        _share_encoders(source, moments, maps, curves, ridge)
     patch_kind = "residuals" if patch_mode == "recompute" else "inputs"
-    plan = plan_for(0.0, _forced_patches(settings) if patch_layers else {}, curves)
+    forced = shared_layout(source) if source is not None else _forced_patches(settings) if patch_layers else {}
+    plan = plan_for(0.0, forced, curves)
     plan = [patch_plan(p.index, maps[patch_kind][p.index].rank, p.patch_mode, p.depth) if p.kind == "patch" else
             reuse_plan(p.index, maps["keys"][p.index].rank, maps["values"][p.index].rank) if p.kind == "reuse" else p
             for p in plan]
@@ -541,9 +600,9 @@ def full_rank_knowledge_base(producer, consumer, calibration_ids: torch.Tensor, 
                           patch if patch_mode == "project" else {}, code_bits,
                           exact_tokens, {**model_identity(producer), "name": ""},
                           consumer_identity, tokenizer_sha256(tokenizer),
-                          {"settings": {**asdict(settings), "patch_layers": list(patch_layers),
+                          {"settings": {**_settings_record(settings), "patch_layers": list(patch_layers),
                                         "patch_depths": list(patch_depths or ())},
-                           "statistics_tokens": moments.tokens},
+                           "shared_encoders": _sharing_record(source), "statistics_tokens": moments.tokens},
                           residuals=patch if patch_mode == "recompute" else {})
     if code_format == "whitened" and code_bits < 16:
         kb.plan = whiten_plan(kb.plan, kb, code_bits, code_gain)
