@@ -262,3 +262,26 @@ def test_redis_backend_round_trips_and_serves(redis_url, shared, producer, consu
         reference = SCDTransferCache.from_payload(encode(producer, prompt[:, :-1], kb), consumers[name], kb)
         assert _rebuild_error(cache, reference) < 0.01
     assert store.delete(key) and store.total_bytes() == 0
+
+
+def test_fit_cli_passes_encoders_from_to_the_fit(monkeypatch, tmp_path, shared, producer):
+    """`hf-kvcodecs scd fit --encoders-from DIR` reaches SCDFitSettings.encoders_from (the fit itself is stubbed)."""
+    from types import SimpleNamespace
+
+    import hf_kvcodecs.scd as scd
+    import hf_kvcodecs.text as text
+    from hf_kvcodecs import cli
+
+    seen = {}
+
+    def fit(*args, settings, **kwargs):
+        seen["settings"] = settings
+        raise ValueError("stub fit")
+
+    monkeypatch.setattr(cli, "_load", lambda args: SimpleNamespace(model=producer, tokenizer=None, description=""))
+    monkeypatch.setattr(text, "tokenize_corpus", lambda tokenizer, corpus: torch.arange(10))
+    monkeypatch.setattr(scd, "fit_knowledge_base", fit)
+    argv = ["scd", "fit", "--consumer", "default", "--out", str(tmp_path / "kb"), "--text", "python-docs",
+            "--encoders-from", str(shared["first_dir"])]
+    assert cli.run(argv) == 2
+    assert seen["settings"].encoders_from == str(shared["first_dir"])
