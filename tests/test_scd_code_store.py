@@ -133,6 +133,22 @@ def test_put_once_serves_both_consumers(shared, producer, consumers, prompt, tmp
                 assert agree > 0.999, (name, section, float(agree))
 
 
+def test_a_consumer_sending_more_than_the_entry_stores_is_refused(shared, producer, prompt, tmp_path):
+    first, second = shared["first"], shared["second"]
+    store = SCDCodeStore(tmp_path / "store")
+    key = store.put(producer, prompt[:, :-1], [first])
+    wider = any(len(b.widths[name].bits) > len(a.widths[name].bits) or
+                any(y > x for x, y in zip(a.widths[name].bits, b.widths[name].bits))
+                for a, b in zip(first.plan, second.plan) for name in a.widths)
+    assert wider  # the second pair spends more bits somewhere than the first
+    with pytest.raises(StoreError, match="overwrite=True"):
+        store.payload_for(second, prompt[:, :-1])
+    with pytest.raises(StoreError, match="float16"):
+        store.payload_for(first, prompt[:, :-1], code_bits=16)
+    assert store.put(producer, prompt[:, :-1], [first, second], overwrite=True) == key
+    store.payload_for(second, prompt[:, :-1])
+
+
 def test_float32_store_serves_the_fresh_payload(shared, producer, prompt, tmp_path):
     store = SCDCodeStore(tmp_path / "store", precision="float32")
     store.put(producer, prompt[:, :-1], [shared["first"], shared["second"]])

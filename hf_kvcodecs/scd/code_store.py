@@ -270,6 +270,8 @@ class SCDCodeStore:
                     raise StoreError(f"The entry stores layer {layer.index}'s {name} code at {have}; this knowledge "
                                      f"base sends rank {rank}. Put the prompt again with this knowledge base among "
                                      "the registered ones (overwrite=True).")
+                if code.bits:
+                    _check_widths(code, whitened_code(layer, name, bits), layer.index)
                 values = self._unpack(stored[code.section][:, start:], code, kb, layer)[..., :rank]
                 sections.update(_quantize_for(values, layer, name, bits, kb))
             if layer.recomputes:
@@ -299,6 +301,20 @@ class SCDCodeStore:
 
     def delete(self, key: str) -> bool:
         return self.backend.delete(key)
+
+
+def _check_widths(code: StoredCode, wanted, layer: int) -> None:
+    """An entry of quantized codes serves whitened payloads no wider than it stores: re-quantizing a coarse value at
+    a finer width would send bytes that carry nothing more."""
+    if wanted is None:
+        raise StoreError(f"The entry stores quantized codes (precision 'widths'), which serve whitened payloads below "
+                         f"16 bits only; this payload sends layer {layer}'s {code.name} code as flat or float codes. "
+                         "Store the prompt with precision='float16'.")
+    wider = [j for j, width in enumerate(wanted.bits) if width > code.bits[j]]
+    if wider:
+        raise StoreError(f"The entry stores layer {layer}'s {code.name} code component {wider[0]} at "
+                         f"{code.bits[wider[0]]} bits; this knowledge base sends it at {wanted.bits[wider[0]]}. Put the "
+                         "prompt again with this knowledge base among the registered ones (overwrite=True).")
 
 
 def _entry_description(data: bytes, key: str) -> dict:
