@@ -303,7 +303,8 @@ _CASES = {
                       "hf_kvcodecs on the consumer or re-encode on the producer"),
     # the version is checked before the manifest: this one is not even JSON, and its CRC is wrong
     "wrong version before manifest": (_header(3, 0, version=1) + b"\xff\xfe\xfd", "format version 1"),
-    "unknown flags": (_raw_payload({"sections": []}, flags=1), "unknown flags 0x0001"),
+    "unknown flags": (_raw_payload({"sections": []}, flags=2), "unknown flags 0x0002"),
+    "signed, no key given": (_raw_payload({"sections": []}, flags=1), "authenticated with a shared key"),
     "manifest too long": (_header(MAX_MANIFEST_BYTES + 1, 0) + b"{}", "manifest too long"),
     "manifest truncated": (_header(100, 0) + b"{}", "truncated: the header declares a 100-byte manifest, 2 bytes"),
     "manifest crc": (_header(2, zlib.crc32(b"{}") ^ 1) + b"{}", "manifest failed its CRC-32"),

@@ -12,6 +12,7 @@ Every check a payload must pass comes before any state is built, and each refusa
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from pathlib import Path
@@ -19,9 +20,8 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..rope import find_rotary_parameters
-from .coding import consumer_angles, predict_residual, rebuild_layer
-from .knowledge_base import LayerPlan, SCDKnowledgeBase
+from ..transport.chunks import ChunkStream
+from .knowledge_base import SCDKnowledgeBase
 from .manifest import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_TOKENS,
@@ -31,16 +31,11 @@ from .manifest import (
     check_tokenizer,
     identity_mismatch,
 )
-from .model_access import (
-    decoder_layers,
-    model_identity,
-    positions_from_mask,
-    run_decoder_block,
-    shapes,
-    text_config,
-    unwrapped,
-)
+from .model_access import model_identity, shapes, text_config, unwrapped
 from .payload import unpack_payload
+from .progressive import merge_all
+from .rebuild import rebuild_into
+from .stream import read_and_rebuild
 
 logger = logging.getLogger(__name__)
 
@@ -87,76 +82,6 @@ def _vocab_size(model) -> int:
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(text_config(model).vocab_size)
 
 
-@torch.inference_mode()
-def rebuild_into(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, plan: list[LayerPlan],
-                 sections: dict[str, torch.Tensor], code_bits: int) -> dict[str, float]:
-    """Fill an empty ``cache`` with the consumer's states for the prompt ``sections`` describe; the seconds spent
-    on the exact tokens, the Reuse layers, the projection-only Patch layers and the recompute Patch blocks."""
-    started = time.perf_counter()
-    mask = sections["input.attention_mask"].long()
-    exact_ids = sections["input.exact_token_ids"]
-    exact = exact_ids.shape[1]
-    model_shapes = shapes(consumer)
-    dtype = next(unwrapped(consumer).parameters()).dtype
-    device = next(unwrapped(consumer).parameters()).device
-    exact_cache = DynamicCache(config=text_config(consumer))
-    exact_hidden: tuple[torch.Tensor, ...] = ()  # the exact tokens' residual stream entering each layer
-    if exact:
-        exact_mask = mask[:, :exact]
-        output = consumer(input_ids=exact_ids.to(device), attention_mask=exact_mask.to(device),
-                          position_ids=positions_from_mask(exact_mask).to(device), cache=exact_cache, use_cache=True,
-                          logits_to_keep=1, output_hidden_states=any(layer.recomputes for layer in plan))
-        exact_hidden = output.hidden_states or ()
-    seconds = {"exact": time.perf_counter() - started, "reuse": 0.0, "patch": 0.0, "recompute": 0.0}
-    inv_freq, scaling = find_rotary_parameters(unwrapped(consumer))
-    positions = positions_from_mask(mask)[:, exact:]
-    cos, sin = (angle.to(device) for angle in consumer_angles(inv_freq, scaling, positions))
-    for layer_plan, layer in zip(plan, decoder_layers(consumer)):
-        layer_started = time.perf_counter()
-        if layer_plan.kind == "recomputed" and positions.shape[1]:
-            continue  # written by its block
-        if layer_plan.recomputes and positions.shape[1]:
-            _recompute_block(cache, consumer, kb, layer_plan, sections, code_bits, exact_hidden, mask)
-            seconds["recompute"] += time.perf_counter() - layer_started
-            continue
-        if positions.shape[1]:
-            layer_sections = {name: tensor.to(device) for name, tensor in sections.items()
-                              if name.startswith(f"layers.{layer_plan.index}.")}
-            keys, values = rebuild_layer(layer, layer_plan, kb, layer_sections, code_bits, cos, sin,
-                                         (model_shapes.kv_heads, model_shapes.head_dim), dtype)
-            if exact:
-                exact_layer = exact_cache.layers[layer_plan.index]
-                keys, values = torch.cat((exact_layer.keys, keys), 2), torch.cat((exact_layer.values, values), 2)
-        else:
-            keys, values = exact_cache.layers[layer_plan.index].keys, exact_cache.layers[layer_plan.index].values
-        cache.update(keys, values, layer_plan.index)
-        seconds["reuse" if layer_plan.kind == "reuse" else "patch"] += time.perf_counter() - layer_started
-    return seconds
-
-
-def _recompute_block(cache: DynamicCache, consumer, kb: SCDKnowledgeBase, layer_plan: LayerPlan,
-                     sections: dict[str, torch.Tensor], code_bits: int, exact_hidden: tuple[torch.Tensor, ...],
-                     mask: torch.Tensor) -> None:
-    """Run the consumer's layers of one recompute Patch block over the whole prompt: the exact tokens from their own
-    residual stream entering the block (``exact_hidden``, by layer), the coded tokens from the predicted one.
-
-    The block starts from an empty cache, as a prefill does, rather than appending after the exact tokens' cached
-    states: the causal mask of a prefill needs no explicit mask tensor, so attention takes its causal path (on CPU a
-    masked attention over a cache prefix costs about 1.6x as much at 2K tokens). The exact tokens' keys and values
-    come out as their own prefill wrote them, since they attend only to each other."""
-    first, depth = layer_plan.index, layer_plan.depth
-    device = next(unwrapped(consumer).parameters()).device
-    layer_sections = {name: tensor.to(device) for name, tensor in sections.items()
-                      if name.startswith(f"layers.{first}.")}
-    residual = predict_residual(layer_plan, kb, layer_sections, code_bits)
-    if exact_hidden:
-        residual = torch.cat((exact_hidden[first].to(residual.dtype), residual), 1)
-    block_cache = DynamicCache(config=text_config(consumer))
-    run_decoder_block(consumer, residual, mask, positions_from_mask(mask), block_cache, first, depth)
-    for index in range(first, first + depth):
-        cache.update(block_cache.layers[index].keys, block_cache.layers[index].values, index)
-
-
 class SCDTransferCache(DynamicCache):
     """A ``DynamicCache`` whose prefix was rebuilt from an SCD payload instead of computed.
 
@@ -175,7 +100,8 @@ class SCDTransferCache(DynamicCache):
     def from_payload(cls, payload: bytes | bytearray | memoryview, consumer, kb: SCDKnowledgeBase | str | Path, *,
                      input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                      tokenizer=None, max_tokens: int = DEFAULT_MAX_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
-                     max_payload_bytes: int | None = None, expand: int = 1) -> SCDTransferCache:
+                     max_payload_bytes: int | None = None, expand: int = 1,
+                     hmac_key: bytes | None = None) -> SCDTransferCache:
         """Rebuild the consumer's cache for the payload's prompt.
 
         Everything is checked before any state is built: the consumer is the one ``kb`` was fitted for (weights and
@@ -196,6 +122,9 @@ class SCDTransferCache(DynamicCache):
 
         ``expand`` repeats every row that many times, as ``generate()`` expands its inputs for beam search
         (``num_beams``) or several samples (``num_return_sequences``): it does not expand a cache it is given.
+
+        ``hmac_key``: the key shared with the producer (``encode(..., hmac_key=)``); with it, a payload not signed
+        with that key is refused, and without it a signed payload is.
         """
         started = time.perf_counter()
         if type(expand) is not int or expand < 1:
@@ -212,13 +141,15 @@ class SCDTransferCache(DynamicCache):
                                     f"{kb.num_layers}.")
         max_bytes = limits.max_payload_bytes(kb) if max_payload_bytes is None else max_payload_bytes
         # The manifest, its section table included, is validated before any section becomes a tensor.
-        raw, sections = unpack_payload(payload, max_bytes=max_bytes,
+        raw, sections = unpack_payload(payload, max_bytes=max_bytes, hmac_key=hmac_key,
                                        check=lambda raw, table: PayloadManifest.parse(raw, kb, limits=limits))
         manifest = PayloadManifest.parse(raw, kb, sections, limits=limits, vocab_size=_vocab_size(consumer))
         plan = list(manifest.layers)
         mask = sections["input.attention_mask"].long()
         if input_ids is not None:
             manifest.check_prompt(input_ids, attention_mask, payload_mask=mask)
+        if manifest.progressive is not None:
+            sections = merge_all(manifest.layers, manifest.base_layers(), sections, manifest.code_bits)
         unpacked = time.perf_counter()
         cache = cls(config=text_config(consumer))
         seconds = rebuild_into(cache, consumer, kb, plan, sections, manifest.code_bits)
@@ -235,6 +166,66 @@ class SCDTransferCache(DynamicCache):
         }
         cache.payload_manifest = manifest
         cache.prompt_attention_mask = mask
+        if expand != 1:
+            cache.batch_repeat_interleave(expand)
+        return cache
+
+    @classmethod
+    @torch.inference_mode()
+    def from_stream(cls, source, consumer, kb: SCDKnowledgeBase | str | Path, *, partial: str = "fail",
+                    deadline_s: float | None = None, byte_budget: int | None = None,
+                    input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                    tokenizer=None, max_tokens: int = DEFAULT_MAX_TOKENS, max_batch: int = DEFAULT_MAX_BATCH,
+                    max_payload_bytes: int | None = None, expand: int = 1,
+                    hmac_key: bytes | None = None) -> SCDTransferCache:
+        """Rebuild the consumer's cache from a payload as it arrives: each layer as soon as its sections are in.
+
+        ``source`` is a binary stream (``read(n)``: a file, a socket's ``makefile("rb")``), an iterable of byte
+        chunks (a transport's receiver, e.g. :func:`hf_kvcodecs.transport.receive_chunks`) or the payload's bytes.
+        Everything :meth:`from_payload` checks is checked, each section as it arrives.
+
+        A stream that stops short (the source raises ``TimeoutError`` or ``ConnectionError``, or ends; a section
+        fails its CRC-32; ``deadline_s`` seconds pass between sections; the next section would take the bytes read
+        past ``byte_budget``) is handled by ``partial`` (see :mod:`hf_kvcodecs.scd.stream`): ``"fail"`` raises,
+        ``"accept"`` decodes what arrived (a progressive payload's base pass is enough; missing sections are never
+        filled in), ``"recompute"`` computes the layers that cannot be decoded on the consumer from ``input_ids``,
+        the prompt the payload covers. ``transfer_report["stream"]`` records what was used. ``deadline_s`` bounds
+        the time between sections as this reader sees it; a blocking read is bounded by the transport's own
+        deadline."""
+        started = time.perf_counter()
+        if type(expand) is not int or expand < 1:
+            raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
+        limits = PayloadLimits(max_batch, max_tokens)
+        if not isinstance(kb, SCDKnowledgeBase):
+            kb = load_knowledge_base(kb)
+        kb.identity()
+        check_consumer(consumer, kb)
+        check_tokenizer(tokenizer, kb, "consumer")
+        model_shapes = shapes(consumer)
+        if model_shapes.layers != kb.num_layers:
+            raise PairMismatchError(f"The consumer has {model_shapes.layers} layers; the knowledge base plans "
+                                    f"{kb.num_layers}.")
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            source = io.BytesIO(source)
+        elif not hasattr(source, "read"):
+            source = ChunkStream(source)
+        max_bytes = limits.max_payload_bytes(kb) if max_payload_bytes is None else max_payload_bytes
+        manifest, rebuild, mask, report = read_and_rebuild(
+            source, consumer, kb, limits=limits, max_bytes=max_bytes, vocab_size=_vocab_size(consumer),
+            partial=partial, deadline_s=deadline_s, byte_budget=byte_budget, input_ids=input_ids,
+            attention_mask=attention_mask, hmac_key=hmac_key)
+        cache = cls(config=text_config(consumer))
+        seconds = rebuild.into(cache)
+        tokens = int(mask.numel())
+        cache.transfer_report = {
+            "payload_bytes": report.bytes_received, "tokens": tokens,
+            "bytes_per_token": report.bytes_received / max(tokens, 1), "exact_seconds": seconds["exact"],
+            "reuse_seconds": seconds["reuse"], "patch_seconds": seconds["patch"],
+            "recompute_seconds": seconds["recompute"], "total_seconds": time.perf_counter() - started,
+            "exact_columns": manifest.exact_columns if manifest is not None else 0, "stream": report.to_dict(),
+        }
+        cache.payload_manifest = manifest
+        cache.prompt_attention_mask = mask.long()
         if expand != 1:
             cache.batch_repeat_interleave(expand)
         return cache
@@ -258,17 +249,17 @@ class SCDTransferCache(DynamicCache):
     @classmethod
     def for_generate(cls, model, *, payload=None, knowledge_base=None, input_ids=None, attention_mask=None,
                      tokenizer=None, expand=1, max_tokens=DEFAULT_MAX_TOKENS, max_batch=DEFAULT_MAX_BATCH,
-                     max_payload_bytes=None, **unknown) -> SCDTransferCache:
+                     max_payload_bytes=None, hmac_key=None, **unknown) -> SCDTransferCache:
         """``generate(cache_implementation="scd", cache_config={"payload": bytes, "knowledge_base": kb_or_dir})``;
         add ``"expand": num_beams`` for beam search, and ``max_tokens`` / ``max_batch`` / ``max_payload_bytes`` /
         ``tokenizer`` as :meth:`from_payload` takes them. generate() checks its prompt against the payload."""
         if unknown:
             raise ValueError(f"Unknown cache_config keys for cache_implementation='scd': {sorted(unknown)}; it takes "
                              "payload, knowledge_base and (optionally) input_ids, attention_mask, tokenizer, expand, "
-                             "max_tokens, max_batch and max_payload_bytes.")
+                             "max_tokens, max_batch, max_payload_bytes and hmac_key.")
         if payload is None or knowledge_base is None:
             raise ValueError("cache_implementation='scd' needs cache_config={'payload': <bytes from "
                              "hf_kvcodecs.scd.encode>, 'knowledge_base': <SCDKnowledgeBase or its directory>}.")
         return cls.from_payload(payload, model, knowledge_base, input_ids=input_ids, attention_mask=attention_mask,
                                 tokenizer=tokenizer, expand=expand, max_tokens=max_tokens, max_batch=max_batch,
-                                max_payload_bytes=max_payload_bytes)
+                                max_payload_bytes=max_payload_bytes, hmac_key=hmac_key)

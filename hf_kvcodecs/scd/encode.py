@@ -33,6 +33,7 @@ from .manifest import (
 )
 from .model_access import LayerCapture, model_identity, prefill_with_taps, shapes
 from .payload import PayloadError, SectionSpec, unpack_payload
+from .progressive import REFINE_SUFFIX, merge_all, split_refinements
 
 __all__ = [
     "CODEC_ID", "CODEC_VERSION", "READABLE_CODEC_VERSIONS", "EncodeReport", "PairMismatchError", "check_left_padded",
@@ -63,9 +64,10 @@ class EncodeReport:
 
 def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest: Callable[[PayloadManifest], None],
             on_section: Callable[[str, torch.Tensor], None], *, attention_mask: torch.Tensor | None = None,
-            tokenizer=None, code_bits: int | None = None) -> PayloadManifest:
+            tokenizer=None, code_bits: int | None = None, progressive: float | None = None) -> PayloadManifest:
     """Check the inputs and the pair, call ``on_manifest`` with the payload's manifest before the prefill, then
-    ``on_section(name, cpu_tensor)`` for every section in wire order, each as soon as the prefill produced it."""
+    ``on_section(name, cpu_tensor)`` for every section in wire order, each as soon as the prefill produced it (a
+    progressive payload's refinements once the prefill has run)."""
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     if input_ids.ndim != 2 or input_ids.shape[1] < 1 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -88,20 +90,26 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
     if model_shapes.layers != kb.num_layers:
         raise KnowledgeBaseError(f"The knowledge base plans {kb.num_layers} layers; the producer has "
                                  f"{model_shapes.layers}.")
-    manifest = PayloadManifest.for_prompt(kb, identity, input_ids, mask, bits)
+    manifest = PayloadManifest.for_prompt(kb, identity, input_ids, mask, bits, progressive=progressive)
     start = manifest.exact_columns
     by_layer: dict[int, list[SectionSpec]] = {}
+    refinements = [spec for spec in manifest.section_table()[2:] if spec.name.endswith(REFINE_SUFFIX)]
     for spec in manifest.section_table()[2:]:
-        by_layer.setdefault(int(spec.name.split(".")[1]), []).append(spec)
+        if not spec.name.endswith(REFINE_SUFFIX):
+            by_layer.setdefault(int(spec.name.split(".")[1]), []).append(spec)
     on_manifest(manifest)
     on_section("input.attention_mask", mask.to(torch.uint8).cpu())
     on_section("input.exact_token_ids", input_ids[:, :start].to(torch.int64).cpu())
-    plan = kb.plan
+    plan, bases = manifest.layers, manifest.base_layers()
+    held: dict[str, torch.Tensor] = {}  # a progressive payload's refinements, sent after every layer's base pass
 
     def on_layer(capture: LayerCapture) -> None:
         if start >= input_ids.shape[1]:
             return
-        produced = encode_layer(capture, plan[capture.index], kb, start, bits)
+        produced = encode_layer(capture, kb.plan[capture.index], kb, start, bits)
+        if manifest.progressive is not None:
+            produced, refined = split_refinements(plan[capture.index], bases[capture.index], produced, bits)
+            held.update((name, tensor.cpu()) for name, tensor in refined.items())
         for spec in by_layer.get(capture.index, []):
             if spec.name not in produced:
                 raise PayloadError(f"Layer {capture.index}'s coder produced no section {spec.name!r}, which the "
@@ -113,6 +121,8 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
 
     prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.input_layers),
                       residuals_of=set(kb.residual_layers))
+    for spec in refinements:
+        on_section(spec.name, held.pop(spec.name))
     return manifest
 
 
@@ -123,12 +133,13 @@ def encode_to(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, write: Ca
     is produced: the header and manifest before the prefill runs, the prompt's sections, then each layer's sections
     (codes, scales, and a recompute Patch layer's RMS, each followed by its CRC-32) as soon as that layer has run.
     ``b"".join`` of what was written is :func:`encode`'s payload. Returns the manifest. Takes :func:`encode`'s
-    options; every check that can refuse the inputs runs before the first write."""
+    options (``hmac_key`` included); every check that can refuse the inputs runs before the first write."""
     writer = None
+    hmac_key = options.pop("hmac_key", None)
 
     def on_manifest(manifest: PayloadManifest) -> None:
         nonlocal writer
-        writer = manifest.writer()
+        writer = manifest.writer(hmac_key)
         write(writer.head)
 
     manifest = _encode(producer, input_ids, kb, on_manifest, lambda name, tensor: write(writer.chunk(name, tensor)),
@@ -148,16 +159,26 @@ def encode_sections(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, **o
 
 
 def encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, *, attention_mask: torch.Tensor | None = None,
-           tokenizer=None, code_bits: int | None = None) -> bytes:
+           tokenizer=None, code_bits: int | None = None, progressive: float | None = None,
+           hmac_key: bytes | None = None) -> bytes:
     """Prefill ``input_ids`` on ``producer`` and return the SCD payload for the consumer ``kb`` was fitted for.
 
     ``kb`` must be saved (a payload names its save). Pass ``tokenizer`` to have it checked against the knowledge
     base's (a knowledge base fitted without one refuses the check). The consumer rebuilds its cache with
     :meth:`~hf_kvcodecs.scd.SCDTransferCache.from_payload`; ``len(payload) / input_ids.shape[-1]`` is the bytes per
-    token on the wire (see :func:`encode_with_report`)."""
+    token on the wire (see :func:`encode_with_report`).
+
+    ``progressive=f`` (0 < f < 1) orders the payload so that every prefix is useful: the prompt, then each layer's
+    Patch sections and the leading ``f`` of its Reuse codes' components, then the remaining components (see
+    :mod:`~hf_kvcodecs.scd.progressive`); a consumer reading it as a stream
+    (:meth:`~hf_kvcodecs.scd.SCDTransferCache.from_stream`) can stop at a deadline or byte budget and decode what
+    arrived. Its bytes are those of the one-pass payload plus one CRC-32 per refinement section.
+
+    ``hmac_key`` (bytes shared with the consumer) signs the payload with HMAC-SHA256 tags, 32 bytes after the
+    manifest and after each section: a consumer given the key refuses any payload it did not sign."""
     chunks: list[bytes] = []
     encode_to(producer, input_ids, kb, chunks.append, attention_mask=attention_mask, tokenizer=tokenizer,
-              code_bits=code_bits)
+              code_bits=code_bits, progressive=progressive, hmac_key=hmac_key)
     return b"".join(chunks)
 
 
@@ -204,6 +225,9 @@ def truncate_payload(payload: bytes, fraction: float) -> bytes:
     (:func:`~hf_kvcodecs.codecs.bit_allocation.truncate`), and the manifest carries those components' widths."""
     raw, sections = unpack_payload(payload)
     manifest = PayloadManifest.read(raw)
+    if manifest.progressive is not None:  # the one-pass payload of the same codes, then cut like any other
+        sections = merge_all(manifest.layers, manifest.base_layers(), sections, manifest.code_bits)
+        manifest = dataclasses.replace(manifest, progressive=None)
     bits = manifest.code_bits
     new_plan = truncate_payload_plan(list(manifest.layers), fraction)
     for old, new in zip(manifest.layers, new_plan):

@@ -53,6 +53,7 @@ from .knowledge_base import (
 )
 from .model_access import token_ids_sha256, tokenizer_sha256
 from .payload import CRC_BYTES, HEADER_BYTES, MAX_MANIFEST_BYTES, PayloadError, PayloadWriter, SectionSpec
+from .progressive import base_layer, refinement_layout
 
 __all__ = [
     "CODEC_ID", "CODEC_VERSION", "DEFAULT_MAX_BATCH", "DEFAULT_MAX_TOKENS", "READABLE_CODEC_VERSIONS", "ModelBinding",
@@ -78,7 +79,9 @@ _MAX_ID_CHARS = 256
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _KEYS = ("codec", "codec_version", "knowledge_base", "producer", "consumer", "tokenizer_sha256", "token_ids_sha256",
          "batch", "tokens", "exact_columns", "code_bits", "layers")
-_OPTIONAL_KEYS = ("code_format",)  # written for whitened codes only; absent means flat
+# code_format: written for whitened codes only, absent means flat; progressive: written for progressive payloads only
+# (the fraction of each Reuse code's components in the base pass, see progressive.py), absent means one pass
+_OPTIONAL_KEYS = ("code_format", "progressive")
 _CONTAINER_KEYS = ("sections",)  # written and checked by the container (payload.py)
 
 
@@ -243,11 +246,20 @@ class PayloadLimits:
         """The largest payload ``kb`` can write within these limits: the header and the largest manifest, then for
         every token its mask byte, an exact token id and the codes at 32 bits (the widest), and every CRC."""
         per_token = 1 + 8 + math.ceil(plan_bytes_per_token(kb.plan, 32))
-        sections = 2 + 5 * kb.num_layers
+        sections = 2 + 7 * kb.num_layers  # a progressive payload adds up to two refinement sections per layer
         return HEADER_BYTES + MAX_MANIFEST_BYTES + self.max_batch * self.max_tokens * per_token + CRC_BYTES * sections
 
 
 # --------------------------------------------------------------------------------------------------------- manifest
+
+
+def check_progressive(fraction: Any) -> None:
+    """``None`` (one pass) or the base pass's fraction of each Reuse code, a float strictly between 0 and 1."""
+    if fraction is None:
+        return
+    if not isinstance(fraction, float) or not 0.0 < fraction < 1.0:
+        raise ValueError(f"progressive fraction must be a float strictly between 0 and 1 (or None for a one-pass "
+                         f"payload), got {str(fraction)[:40]}")
 
 
 def _describe(layer: LayerPlan) -> str:
@@ -278,6 +290,7 @@ class PayloadManifest:
     layers: tuple[LayerPlan, ...]
     codec: str = CODEC_ID
     codec_version: int = CODEC_VERSION
+    progressive: float | None = None  # the base pass's fraction of each Reuse code, or None for one pass
 
     @property
     def code_format(self) -> str:
@@ -287,17 +300,21 @@ class PayloadManifest:
     # ---- built by the producer --------------------------------------------------------------------------------
     @classmethod
     def for_prompt(cls, kb: SCDKnowledgeBase, producer_identity: Mapping, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor, code_bits: int) -> PayloadManifest:
+                   attention_mask: torch.Tensor, code_bits: int, progressive: float | None = None,
+                   ) -> PayloadManifest:
         """The manifest of ``kb``'s payload for a prompt ``[B, T]`` (left-padded ``attention_mask``), coded by a
         producer whose identity was checked against ``kb``. Refuses an unsaved knowledge base (a payload must name
         the save that decodes it). A whitened knowledge base's plan travels with its widths, except at 16 and 32
-        bits, where codes are floats in either format."""
+        bits, where codes are floats in either format. ``progressive`` (a float in (0, 1)) orders the sections in a
+        base pass and a refinement pass (see :mod:`~hf_kvcodecs.scd.progressive`)."""
+        check_progressive(progressive)
         layers = tuple(kb.plan) if code_bits < 16 else tuple(dataclasses.replace(layer, widths={})
                                                                 for layer in kb.plan)
         return cls(kb.identity(), ModelBinding.from_identity(producer_identity),
                    ModelBinding.from_identity(kb.consumer), kb.tokenizer_sha256,
                    token_ids_sha256(input_ids, attention_mask), int(input_ids.shape[0]), int(input_ids.shape[1]),
-                   exact_columns(attention_mask, kb.exact_tokens), int(code_bits), layers)
+                   exact_columns(attention_mask, kb.exact_tokens), int(code_bits), layers,
+                   progressive=progressive)
 
     @property
     def coded_tokens(self) -> int:
@@ -314,9 +331,22 @@ class PayloadManifest:
                  SectionSpec("input.exact_token_ids", torch.int64, (batch, self.exact_columns))]
         if coded == 0:
             return table
-        for layer in self.layers:
-            table.extend(section_layout(layer, self.code_bits, batch, coded))
+        if self.progressive is None:
+            for layer in self.layers:
+                table.extend(section_layout(layer, self.code_bits, batch, coded))
+            return table
+        bases = self.base_layers()
+        for base in bases:
+            table.extend(section_layout(base, self.code_bits, batch, coded))
+        for layer, base in zip(self.layers, bases):
+            table.extend(refinement_layout(layer, base, self.code_bits, batch, coded))
         return table
+
+    def base_layers(self) -> tuple[LayerPlan, ...]:
+        """Each layer's plan in a progressive payload's base pass (the full plan for a one-pass payload)."""
+        if self.progressive is None:
+            return self.layers
+        return tuple(base_layer(layer, self.progressive) for layer in self.layers)
 
     # ---- the writer -------------------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -326,16 +356,18 @@ class PayloadManifest:
                 "tokenizer_sha256": self.tokenizer_sha256, "token_ids_sha256": self.token_ids_sha256,
                 "batch": self.batch, "tokens": self.tokens, "exact_columns": self.exact_columns,
                 **({"code_format": self.code_format} if self.code_format != "flat" else {}),
+                **({"progressive": self.progressive} if self.progressive is not None else {}),
                 "code_bits": self.code_bits, "layers": [layer.to_dict() for layer in self.layers]}
 
-    def writer(self) -> PayloadWriter:
+    def writer(self, hmac_key: bytes | None = None) -> PayloadWriter:
         """A writer whose ``head`` (header and manifest) can be sent before any section exists; then
-        ``chunk(name, tensor)`` per section of :meth:`section_table`, in order."""
-        return PayloadWriter(self.to_json(), self.section_table())
+        ``chunk(name, tensor)`` per section of :meth:`section_table`, in order. ``hmac_key`` signs it (see
+        :mod:`~hf_kvcodecs.scd.payload`)."""
+        return PayloadWriter(self.to_json(), self.section_table(), hmac_key=hmac_key)
 
-    def pack(self, sections: Mapping[str, torch.Tensor]) -> bytes:
+    def pack(self, sections: Mapping[str, torch.Tensor], hmac_key: bytes | None = None) -> bytes:
         """The whole payload, with ``sections`` written in table order (each must be there, and nothing else)."""
-        writer = self.writer()
+        writer = self.writer(hmac_key)
         extra = sorted(set(sections) - {spec.name for spec in writer.table})
         if extra:
             _fail(f"Sections {extra[:5]} are not in this manifest's section table.")
@@ -349,7 +381,8 @@ class PayloadManifest:
     # ---- the validator ----------------------------------------------------------------------------------------
     @classmethod
     def parse(cls, raw: Any, kb: SCDKnowledgeBase, sections: Mapping[str, torch.Tensor] | None = None, *,
-              limits: PayloadLimits | None = None, vocab_size: int | None = None) -> PayloadManifest:
+              limits: PayloadLimits | None = None, vocab_size: int | None = None,
+              partial: bool = False) -> PayloadManifest:
         """Validate a payload's manifest (as :func:`~hf_kvcodecs.scd.payload.unpack_payload` returns it) for a
         consumer holding ``kb``, and return it typed.
 
@@ -362,14 +395,15 @@ class PayloadManifest:
         padding plus ``kb.exact_tokens`` is exactly the exact columns, and exact token ids inside ``vocab_size``.
 
         Without ``sections`` nothing here allocates more than the manifest's own size, so a consumer runs it before
-        it reads any section (``unpack_payload(..., check=...)``).
+        it reads any section (``unpack_payload(..., check=...)``). ``partial=True`` (a stream cut short) checks the
+        sections that arrived, which must include the prompt's, and lets the others be missing.
         """
         manifest = cls._read_fields(raw)
         manifest._check_against(kb, limits or PayloadLimits())
         if "sections" in raw:
             manifest._check_table(raw["sections"])
         if sections is not None:
-            manifest._check_sections(sections, kb, vocab_size)
+            manifest._check_sections(sections, kb, vocab_size, partial)
         return manifest
 
     @classmethod
@@ -437,8 +471,13 @@ class PayloadManifest:
         if code_format == "whitened" and bits not in WHITENED_CODE_BITS:
             _fail(f"The payload's whitened codes are marked {bits}-bit; whitened codes spend the bytes of "
                   f"{' or '.join(map(str, WHITENED_CODE_BITS))}-bit flat codes (floats are sent flat).")
+        progressive = raw.get("progressive")
+        try:
+            check_progressive(progressive)
+        except ValueError as error:
+            _fail(f"The payload's {error}")
         return cls(knowledge_base, producer, consumer, tokenizer, token_ids, batch, tokens, exact, bits, tuple(plan),
-                   raw["codec"], version)
+                   raw["codec"], version, progressive)
 
     def _check_table(self, entries: Any) -> None:
         """The container's section table must be exactly the one this manifest implies."""
@@ -520,10 +559,13 @@ class PayloadManifest:
                           f"(gain {fitted.widths[name].gain}, {fitted.widths[name].prefix(rank).runs()[:4]}...).")
 
     def _check_sections(self, sections: Mapping[str, torch.Tensor], kb: SCDKnowledgeBase,
-                        vocab_size: int | None) -> None:
+                        vocab_size: int | None, partial: bool = False) -> None:
         table = self.section_table()
         missing = sorted({spec.name for spec in table} - set(sections))
-        unexpected = sorted(set(sections) - {spec.name for spec in table})
+        if partial:  # a stream cut short: the sections that arrived must still be the table's, the prompt's included
+            missing = [name for name in missing if name.startswith("input.")]
+            table = [spec for spec in table if spec.name in sections]
+        unexpected = sorted(set(sections) - {spec.name for spec in self.section_table()})
         if missing or unexpected:
             _fail(f"The payload's sections do not match its manifest (missing: {missing[:5]}, unexpected: "
                   f"{unexpected[:5]}).")

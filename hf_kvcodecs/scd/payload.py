@@ -29,6 +29,8 @@ business, and they are returned untouched. The layout is specified in docs/scd-p
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import math
 import struct
@@ -40,7 +42,8 @@ from typing import Any, BinaryIO, NamedTuple
 import torch
 
 __all__ = [
-    "FORMAT_VERSION", "MAGIC", "MAX_MANIFEST_BYTES", "MAX_SECTIONS", "PayloadError", "PayloadWriter", "SectionSpec",
+    "FLAG_AUTHENTICATED", "FORMAT_VERSION", "MAGIC", "TAG_BYTES", "MAX_MANIFEST_BYTES", "MAX_SECTIONS", "PayloadError", "PayloadStream", "PayloadWriter",
+    "SectionSpec",
     "iter_payload_chunks", "pack_payload", "payload_summary", "read_payload", "unpack_payload",
 ]
 
@@ -59,6 +62,13 @@ _HEADER = struct.Struct("<8sHHII")
 HEADER_BYTES = _HEADER.size  # 20
 _CRC = struct.Struct("<I")
 CRC_BYTES = _CRC.size  # after every section
+# Flag bit 0: the payload is authenticated with a shared key. An HMAC-SHA256 tag follows the manifest (over the header
+# and manifest) and each section's CRC-32 (over the previous tag, the section's index and its bytes), so a consumer
+# holding the key verifies every section as it arrives and no section can be moved, replaced or spliced from another
+# payload. CRC-32s stay: they tell corruption in transit from a wrong key.
+FLAG_AUTHENTICATED = 0x0001
+TAG_BYTES = 32
+_INDEX = struct.Struct("<Q")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
@@ -138,6 +148,23 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.numpy().tobytes()
 
 
+def _check_key(hmac_key: Any) -> bytes | None:
+    if hmac_key is None:
+        return None
+    if not isinstance(hmac_key, (bytes, bytearray)) or len(hmac_key) < 16:
+        raise PayloadError("hmac_key must be bytes of at least 16 (random) bytes, shared by producer and consumer; "
+                           "e.g. secrets.token_bytes(32)")
+    return bytes(hmac_key)
+
+
+def _tag(key: bytes, previous: bytes, index: int | None, data) -> bytes:
+    mac = hmac.new(key, previous, hashlib.sha256)
+    if index is not None:
+        mac.update(_INDEX.pack(index))
+    mac.update(data)
+    return mac.digest()
+
+
 class PayloadWriter:
     """Writes one payload whose section table is known before any section exists.
 
@@ -149,7 +176,8 @@ class PayloadWriter:
     question are returned.
     """
 
-    def __init__(self, manifest: dict, table: Sequence[SectionSpec]):
+    def __init__(self, manifest: dict, table: Sequence[SectionSpec], *, hmac_key: bytes | None = None):
+        self._key = _check_key(hmac_key)
         if not isinstance(manifest, dict):
             raise PayloadError(f"the manifest must be a dict, not a {type(manifest).__name__}")
         if "sections" in manifest:
@@ -176,13 +204,19 @@ class PayloadWriter:
             _parse_manifest(encoded)
         except PayloadError as error:
             raise PayloadError(f"the manifest would not read back: {error}") from None
-        self.head = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(encoded), zlib.crc32(encoded)) + encoded
+        flags = FLAG_AUTHENTICATED if self._key is not None else 0
+        self.head = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, len(encoded), zlib.crc32(encoded)) + encoded
+        self._last_tag = b""
+        if self._key is not None:
+            self._last_tag = _tag(self._key, b"", None, self.head)
+            self.head += self._last_tag
         self.written = 0
 
     @property
     def total_bytes(self) -> int:
         """The whole payload's length, known before any section is written."""
-        return len(self.head) + sum(spec.nbytes + CRC_BYTES for spec in self.table)
+        tag = TAG_BYTES if self._key is not None else 0
+        return len(self.head) + sum(spec.nbytes + CRC_BYTES + tag for spec in self.table)
 
     def chunk(self, name: str, tensor: torch.Tensor) -> bytes:
         if self.written >= len(self.table):
@@ -193,8 +227,12 @@ class PayloadWriter:
             raise PayloadError(f"section #{self.written} is {got.describe()}; the manifest lists {expected.describe()} "
                                "there")
         data = _tensor_bytes(tensor)
+        chunk = data + _CRC.pack(zlib.crc32(data))
+        if self._key is not None:
+            self._last_tag = _tag(self._key, self._last_tag, self.written, data)
+            chunk += self._last_tag
         self.written += 1
-        return data + _CRC.pack(zlib.crc32(data))
+        return chunk
 
     def close(self) -> None:
         if self.written != len(self.table):
@@ -203,7 +241,8 @@ class PayloadWriter:
                                f"{missing[:5]})")
 
 
-def iter_payload_chunks(manifest: dict, sections: Mapping[str, torch.Tensor]) -> Iterator[bytes]:
+def iter_payload_chunks(manifest: dict, sections: Mapping[str, torch.Tensor], *,
+                        hmac_key: bytes | None = None) -> Iterator[bytes]:
     """A payload in pieces: the header and manifest first, then one chunk per section (its bytes and their CRC-32),
     in ``sections``' order.
 
@@ -218,26 +257,27 @@ def iter_payload_chunks(manifest: dict, sections: Mapping[str, torch.Tensor]) ->
     if len(sections) > MAX_SECTIONS:
         raise PayloadError(f"{len(sections)} sections; an SCD payload allows at most {MAX_SECTIONS}")
     table = [_tensor_spec(name, tensor) for name, tensor in sections.items()]
-    writer = PayloadWriter(manifest, table)
+    writer = PayloadWriter(manifest, table, hmac_key=hmac_key)
     chunks = [writer.head, *(writer.chunk(name, tensor) for name, tensor in sections.items())]
     writer.close()
     # Not a generator: everything is checked when this is called, before a sender has written anything anywhere.
     return iter(chunks)
 
 
-def pack_payload(manifest: dict, sections: Mapping[str, torch.Tensor]) -> bytes:
+def pack_payload(manifest: dict, sections: Mapping[str, torch.Tensor], *, hmac_key: bytes | None = None) -> bytes:
     """Serialise ``manifest`` (a JSON-serialisable dict without a ``"sections"`` key) and the named tensors into one
     payload. Tensors are written contiguous, from CPU copies, in the mapping's order; dtypes are limited to float32,
     float16, bfloat16, int8, uint8, int32, int64 and shapes to at most 4 dimensions. Raises ``PayloadError``."""
-    return b"".join(iter_payload_chunks(manifest, sections))
+    return b"".join(iter_payload_chunks(manifest, sections, hmac_key=hmac_key))
 
 
 # --------------------------------------------------------------------------------------------------------- reading
 
 
-def _check_header(header: bytes) -> tuple[int, int]:
+def _check_header(header: bytes, hmac_key: bytes | None = None, *, any_key: bool = False) -> tuple[int, int]:
     """Check the fixed header (possibly a short prefix of it, which is checked as far as it goes and then refused as
-    truncated) and return the manifest's declared length and CRC-32."""
+    truncated) against the reader's key (``any_key``: don't care, for summaries) and return the manifest's declared
+    length and CRC-32."""
     if not header:
         raise PayloadError(f"payload truncated: 0 bytes, where an SCD payload starts with a {HEADER_BYTES}-byte header")
     got = header[:len(MAGIC)]
@@ -251,8 +291,16 @@ def _check_header(header: bytes) -> tuple[int, int]:
                                f"producer")
     if len(header) >= 12:
         (flags,) = struct.unpack_from("<H", header, 10)
-        if flags != 0:
-            raise PayloadError(f"SCD payload header has unknown flags 0x{flags:04x} (this hf_kvcodecs knows none)")
+        if flags & ~FLAG_AUTHENTICATED:
+            raise PayloadError(f"SCD payload header has unknown flags 0x{flags:04x} (this hf_kvcodecs knows only "
+                               f"0x{FLAG_AUTHENTICATED:04x}, authenticated)")
+        authenticated = bool(flags & FLAG_AUTHENTICATED)
+        if not any_key and authenticated and hmac_key is None:
+            raise PayloadError("this SCD payload is authenticated with a shared key (HMAC-SHA256); pass the key the "
+                               "producer used as hmac_key")
+        if not any_key and not authenticated and hmac_key is not None:
+            raise PayloadError("this SCD payload is not authenticated, and this consumer expects payloads signed with "
+                               "its shared key: re-encode with hmac_key on the producer, or drop hmac_key here")
     if len(header) >= 16:
         (manifest_bytes,) = struct.unpack_from("<I", header, 12)
         if manifest_bytes > MAX_MANIFEST_BYTES:
@@ -262,6 +310,28 @@ def _check_header(header: bytes) -> tuple[int, int]:
         raise PayloadError(f"payload truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
     _, _, _, manifest_bytes, manifest_crc = _HEADER.unpack(header)
     return manifest_bytes, manifest_crc
+
+
+def _tag_bytes(header: bytes) -> int:
+    """The bytes of HMAC tag after the manifest and after each section's CRC-32 (a checked header)."""
+    return TAG_BYTES if struct.unpack_from("<H", header, 10)[0] & FLAG_AUTHENTICATED else 0
+
+
+class _Authenticator:
+    """Checks the tags of one authenticated payload in order: the head's, then each section's."""
+
+    def __init__(self, key: bytes, head: bytes, tag: bytes):
+        self._key = key
+        if not hmac.compare_digest(_tag(key, b"", None, head), bytes(tag)):
+            raise PayloadError("the payload's header and manifest failed their HMAC check: it was signed with another "
+                               "key, or altered; refuse it (use the producer's shared key as hmac_key)")
+        self._last = bytes(tag)
+
+    def section(self, index: int, name: str, data, tag: bytes) -> None:
+        if not hmac.compare_digest(_tag(self._key, self._last, index, data), bytes(tag)):
+            raise PayloadError(f"section {name!r} failed its HMAC check: it was altered, moved or taken from another "
+                               "payload")
+        self._last = bytes(tag)
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -385,12 +455,12 @@ def _as_bytes_view(data: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def _sections_bytes(sections: list[SectionSpec]) -> int:
-    return sum(section.nbytes + CRC_BYTES for section in sections)
+def _sections_bytes(sections: list[SectionSpec], tag: int = 0) -> int:
+    return sum(section.nbytes + CRC_BYTES + tag for section in sections)
 
 
-def _check_sections_fit(sections: list[SectionSpec], present: int) -> None:
-    declared = _sections_bytes(sections)
+def _check_sections_fit(sections: list[SectionSpec], present: int, tag: int) -> None:
+    declared = _sections_bytes(sections, tag)
     if declared > present:
         raise PayloadError(f"payload truncated: the manifest declares {declared} section bytes (with their CRC-32s), "
                            f"{present} are present")
@@ -399,28 +469,36 @@ def _check_sections_fit(sections: list[SectionSpec], present: int) -> None:
                            f"CRC-32s), {present} are present")
 
 
-def _parse_buffer(data: Any, max_bytes: int) -> tuple[memoryview, int, dict, list[SectionSpec]]:
+def _parse_buffer(data: Any, max_bytes: int, hmac_key: bytes | None = None, *, any_key: bool = False,
+                  ) -> tuple[memoryview, int, dict, list[SectionSpec], int, _Authenticator | None]:
     view = _as_bytes_view(data)
     if view.nbytes > max_bytes:
         raise PayloadError(f"payload is {view.nbytes} bytes, over the max_bytes limit of {max_bytes}")
-    manifest_bytes, manifest_crc = _check_header(bytes(view[:HEADER_BYTES]))
+    header = bytes(view[:HEADER_BYTES])
+    manifest_bytes, manifest_crc = _check_header(header, hmac_key, any_key=any_key)
+    tag = _tag_bytes(header)
     end = HEADER_BYTES + manifest_bytes
-    if view.nbytes < end:
-        raise PayloadError(f"payload truncated: the header declares a {manifest_bytes}-byte manifest, "
-                           f"{view.nbytes - HEADER_BYTES} bytes follow the header")
+    if view.nbytes < end + tag:
+        raise PayloadError(f"payload truncated: the header declares a {manifest_bytes}-byte manifest"
+                           f"{' and its HMAC tag' if tag else ''}, {view.nbytes - HEADER_BYTES} bytes follow the header")
     # The manifest is copied before its CRC is taken, so the bytes checked are the bytes parsed even if the caller's
     # buffer changes underneath.
     raw = bytes(view[HEADER_BYTES:end])
     manifest, sections = _check_manifest(raw, manifest_crc)
-    _check_sections_fit(sections, view.nbytes - end)
-    return view, end, manifest, sections
+    authenticator = None
+    if tag and not any_key:
+        authenticator = _Authenticator(hmac_key, header + raw, view[end:end + tag])
+    end += tag
+    _check_sections_fit(sections, view.nbytes - end, tag)
+    return view, end, manifest, sections, tag, authenticator
 
 
 ManifestCheck = Callable[[dict, list[SectionSpec]], Any]
 
 
 def unpack_payload(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 34,
-                   check: ManifestCheck | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+                   check: ManifestCheck | None = None,
+                   hmac_key: bytes | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Parse and verify a whole payload held in memory; return ``(manifest, {name: tensor})``.
 
     The manifest is returned as parsed, ``"sections"`` included; its other keys are the producer's and are not
@@ -429,16 +507,21 @@ def unpack_payload(data: bytes | bytearray | memoryview, *, max_bytes: int = 1 <
     Tensors are fresh CPU tensors (each owns a copy of its bytes), in manifest order. The buffer must be exactly one
     payload: trailing bytes are an error (use ``read_payload`` for a stream of payloads). A buffer longer than
     ``max_bytes`` is refused before it is read. Every malformed, truncated or corrupted input raises
-    ``PayloadError``; allocations never exceed about the input's length plus a bounded manifest.
+    ``PayloadError``; allocations never exceed about the input's length plus a bounded manifest. ``hmac_key``: the
+    key shared with the producer; an authenticated payload is refused without it, and an unauthenticated one with it.
     """
-    view, offset, manifest, sections = _parse_buffer(data, max_bytes)
+    view, offset, manifest, sections, tag, authenticator = _parse_buffer(data, max_bytes, _check_key(hmac_key))
     if check is not None:
         check(manifest, sections)
     tensors = {}
-    for section in sections:
+    for index, section in enumerate(sections):
         end = offset + section.nbytes
-        tensors[section.name] = _tensor(section, bytearray(view[offset:end]), bytes(view[end:end + CRC_BYTES]))
-        offset = end + CRC_BYTES
+        data_bytes = bytearray(view[offset:end])
+        tensor = _tensor(section, data_bytes, bytes(view[end:end + CRC_BYTES]))
+        if authenticator is not None:
+            authenticator.section(index, section.name, data_bytes, view[end + CRC_BYTES:end + CRC_BYTES + tag])
+        tensors[section.name] = tensor
+        offset = end + CRC_BYTES + tag
     return manifest, tensors
 
 
@@ -469,36 +552,74 @@ def _read_exact(stream: BinaryIO, count: int, what: str) -> bytearray:
     return data
 
 
-def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34,
-                 check: ManifestCheck | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+class PayloadStream:
+    """One payload read from a binary stream section by section, each verified as it arrives.
+
+    Construction reads the header and the manifest, verifies both, refuses a payload whose declared total size is
+    over ``max_bytes`` and runs ``check(manifest, section_table)`` before any section is read; ``manifest`` and
+    ``table`` then hold them. Iterating yields ``(name, tensor)`` for each section, in table order, once its bytes and
+    CRC-32 have arrived and matched; ``received`` counts the bytes read so far. A stream that ends early raises
+    ``PayloadError("payload truncated ...")`` and a corrupted section ``PayloadError(... CRC-32 ...)``; errors raised
+    by the stream itself (a transport's timeout) propagate unchanged, so a caller can tell a cut from corruption.
+    Allocations are bounded by what :func:`read_payload` allows.
+    """
+
+    def __init__(self, stream: BinaryIO, *, max_bytes: int = 1 << 34, check: ManifestCheck | None = None,
+                 hmac_key: bytes | None = None):
+        self._stream = stream
+        key = _check_key(hmac_key)
+        header = bytes(_read_up_to(stream, HEADER_BYTES))
+        manifest_bytes, manifest_crc = _check_header(header, key)
+        self._tag = _tag_bytes(header)
+        if HEADER_BYTES + manifest_bytes + self._tag > max_bytes:
+            raise PayloadError(f"payload's header and manifest are {HEADER_BYTES + manifest_bytes} bytes, over the "
+                               f"max_bytes limit of {max_bytes}")
+        raw = bytes(_read_exact(stream, manifest_bytes, "the manifest"))
+        self.manifest, self.table = _check_manifest(raw, manifest_crc)
+        self._authenticator = None
+        if self._tag:
+            self._authenticator = _Authenticator(key, header + raw, _read_exact(stream, self._tag, "the HMAC tag"))
+        self.received = HEADER_BYTES + manifest_bytes + self._tag
+        self.total_bytes = self.received + _sections_bytes(self.table, self._tag)
+        if self.total_bytes > max_bytes:
+            raise PayloadError(f"payload declares {self.total_bytes} bytes in all, over the max_bytes limit of "
+                               f"{max_bytes}")
+        if check is not None:
+            check(self.manifest, self.table)
+
+    def section_bytes(self, section: SectionSpec) -> int:
+        """The bytes ``section`` takes on the wire: its data, its CRC-32 and its tag when authenticated."""
+        return section.nbytes + CRC_BYTES + self._tag
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for index, section in enumerate(self.table):
+            what = f"section {section.name!r} and its CRC-32{' and HMAC tag' if self._tag else ''}"
+            data = _read_exact(self._stream, self.section_bytes(section), what)
+            self.received += len(data)
+            crc = bytes(data[section.nbytes:section.nbytes + CRC_BYTES])
+            tag = bytes(data[section.nbytes + CRC_BYTES:])
+            del data[section.nbytes:]
+            tensor = _tensor(section, data, crc)
+            if self._authenticator is not None:
+                self._authenticator.section(index, section.name, data, tag)
+            yield section.name, tensor
+
+
+def read_payload(stream: BinaryIO, *, max_bytes: int = 1 << 34, check: ManifestCheck | None = None,
+                 hmac_key: bytes | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read one payload from a binary stream (a file, ``socket.makefile("rb")``, ``io.BytesIO``); return what
     ``unpack_payload`` returns.
 
     Reads the header, then the manifest, verifies both, refuses a payload whose declared total size is over
     ``max_bytes`` and runs ``check`` (as ``unpack_payload`` does) before reading any section; then reads each section
-    and verifies the CRC-32 that follows it. Short reads are retried; a stream that ends early raises
-    ``PayloadError("payload truncated ...")``. Reading stops right after the last section, so a stream may carry
-    several payloads back to back; call again for the next one. A blocking stream is assumed (``read`` returning
-    ``None`` or ``b""`` means the stream ended). On an error the stream is left wherever the error was found.
+    and verifies the CRC-32 that follows it (:class:`PayloadStream`, for a reader that uses each section as it
+    arrives). Short reads are retried; a stream that ends early raises ``PayloadError("payload truncated ...")``.
+    Reading stops right after the last section, so a stream may carry several payloads back to back; call again for
+    the next one. A blocking stream is assumed (``read`` returning ``None`` or ``b""`` means the stream ended). On an
+    error the stream is left wherever the error was found.
     """
-    manifest_bytes, manifest_crc = _check_header(bytes(_read_up_to(stream, HEADER_BYTES)))
-    if HEADER_BYTES + manifest_bytes > max_bytes:
-        raise PayloadError(f"payload's header and manifest are {HEADER_BYTES + manifest_bytes} bytes, over the "
-                           f"max_bytes limit of {max_bytes}")
-    raw = bytes(_read_exact(stream, manifest_bytes, "the manifest"))
-    manifest, sections = _check_manifest(raw, manifest_crc)
-    total = HEADER_BYTES + manifest_bytes + _sections_bytes(sections)
-    if total > max_bytes:
-        raise PayloadError(f"payload declares {total} bytes in all, over the max_bytes limit of {max_bytes}")
-    if check is not None:
-        check(manifest, sections)
-    tensors = {}
-    for section in sections:
-        data = _read_exact(stream, section.nbytes + CRC_BYTES, f"section {section.name!r} and its CRC-32")
-        crc = bytes(data[section.nbytes:])
-        del data[section.nbytes:]
-        tensors[section.name] = _tensor(section, data, crc)
-    return manifest, tensors
+    reader = PayloadStream(stream, max_bytes=max_bytes, check=check, hmac_key=hmac_key)
+    return reader.manifest, dict(reader)
 
 
 def payload_summary(data: bytes | bytearray | memoryview) -> dict:
@@ -507,6 +628,6 @@ def payload_summary(data: bytes | bytearray | memoryview) -> dict:
     Checks the header, the manifest (with its CRC-32) and that the section sizes add up to the buffer's length, but not
     the section CRCs, so it is cheap on large payloads; use ``unpack_payload`` to verify the data. Raises
     ``PayloadError`` for anything that is not one well-formed payload."""
-    view, end, _, sections = _parse_buffer(data, max_bytes=1 << 62)
-    return {"bytes": view.nbytes, "manifest_bytes": end - HEADER_BYTES,
+    view, end, _, sections, tag, _ = _parse_buffer(data, max_bytes=1 << 62, any_key=True)
+    return {"bytes": view.nbytes, "manifest_bytes": end - tag - HEADER_BYTES, "tag_bytes": tag,
             "sections": {section.name: section.nbytes for section in sections}}
