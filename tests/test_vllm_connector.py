@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +164,28 @@ def test_payload_for_another_prompt_knowledge_base_or_model_is_refused(tiny_pair
         _decode(tiny_pair_model, reuse_kb, bytes(corrupted), prompt)
     with pytest.raises(PayloadError):
         _decode(tiny_pair_model, reuse_kb, payload[:-3], prompt)
+
+
+def test_no_module_of_the_library_imports_vllm_or_the_connector():
+    """vLLM is not a dependency: only the connector imports it, and nothing in hf_kvcodecs imports the connector."""
+    import ast
+
+    import hf_kvcodecs
+
+    package = Path(hf_kvcodecs.__file__).parent
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "vllm_connector.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module or ''}.{alias.name}" for alias in node.names] if isinstance(node, ast.ImportFrom) \
+                else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.append(node.module)
+            offenders += [f"{path.relative_to(package)}: {name}" for name in names
+                          if name == "vllm" or name.startswith("vllm.") or "vllm_connector" in name]
+    assert offenders == []
 
 
 # ---- with vLLM (.venv-vllm, `make test-vllm`) ---------------------------------------------------------------------
