@@ -22,17 +22,18 @@ from hf_kvcodecs.cli._common import HelpFormatter
 
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
             ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
-            ("bench", "squat"), ("bench", "scd-mismatch"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
+            ("bench", "squat"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
             ("scd", "fit"), ("export",)}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
-PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("scd", "fit")}
+PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("scd", "fit")}
 # Imported by commands when they run, never by building the parser or printing --help: `import hf_kvcodecs` imports
 # none of them either (it registers with transformers once transformers loads its model code).
 HEAVY_MODULES = ["torch", "transformers", "numpy", "matplotlib", "hf_kvcodecs.gsrq", "hf_kvcodecs.scd",
                  "hf_kvcodecs.quantization", "hf_kvcodecs.bench.harness", "hf_kvcodecs.bench.kv", "hf_kvcodecs.bench.decode",
                  "hf_kvcodecs.bench.bit_split", "hf_kvcodecs.bench.weights", "hf_kvcodecs.bench.codec_ablation",
                  "hf_kvcodecs.quantization.compress", "hf_kvcodecs.gsrq.store", "hf_kvcodecs.evaluation.paired",
-                 "hf_kvcodecs.bench.scd", "hf_kvcodecs.scd.consumer"]
+                 "hf_kvcodecs.bench.scd", "hf_kvcodecs.scd.consumer", "hf_kvcodecs.bench.scd_transport",
+                 "hf_kvcodecs.transport"]
 
 
 def _parsers(parser, path=()):

@@ -152,7 +152,12 @@ def test_chunk_stream_reads_a_payload_across_chunk_boundaries():
         assert got_manifest == unpack_payload(data)[0] and stream.bytes_read == len(data)
         for name, tensor in sections.items():
             assert torch.equal(got[name], tensor)
+        stream.finish()
         assert stream.read(10) == b""
+    stream = ChunkStream(iter([data, data[:5]]))
+    read_payload(stream)
+    with pytest.raises(TransportError, match=f"bytes follow the {len(data)} bytes read"):
+        stream.finish()
 
 
 def test_chunk_stream_passes_the_iterators_error_on_unchanged():

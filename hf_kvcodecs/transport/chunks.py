@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 from collections.abc import Iterable
 
+from .errors import TransportError
+
 __all__ = ["ChunkStream"]
 
 
@@ -16,6 +18,10 @@ class ChunkStream(io.RawIOBase):
     ``TransportClosed``) propagates unchanged out of ``read`` / ``readinto``, so a stalled sender is never mistaken for
     a short payload. Empty chunks are skipped. Reads may return fewer bytes than asked for (one chunk's remainder at a
     time), as a raw stream's may; ``read_payload`` retries short reads.
+
+    ``read_payload`` stops right after a payload's last section, before the transport's end-of-payload marker (the end
+    frame of :func:`~hf_kvcodecs.transport.receive_chunks`, whose sender waits in ``close()`` until it is received):
+    call :meth:`finish` after it.
     """
 
     def __init__(self, chunks: Iterable[bytes | bytearray | memoryview]):
@@ -53,6 +59,14 @@ class ChunkStream(io.RawIOBase):
         self._current = self._current[count:]
         self.bytes_read += count
         return count
+
+    def finish(self) -> None:
+        """Read to the end of the chunks, refusing any byte left after what was read (``TransportError``): for a
+        transport, this receives its end-of-payload marker, so the sender's ``close()`` returns and the next payload
+        starts clean."""
+        if self._next_chunk():
+            raise TransportError(f"bytes follow the {self.bytes_read} bytes read from this stream (the next one: "
+                                 f"{bytes(self._current[:16])!r}...); the sender wrote more than one payload")
 
     def close(self) -> None:
         close = getattr(self._chunks, "close", None)
