@@ -8,7 +8,8 @@
 Rank 0 (producer) runs ``encode_to`` with a :class:`~hf_kvcodecs.transport.DistributedSender` as its ``write``
 callback, so each section leaves as soon as the prefill has produced it. Rank 1 (consumer) receives the frames with
 :func:`~hf_kvcodecs.transport.receive_chunks` (bounded by a deadline and by the largest payload the knowledge base can
-write), rebuilds its cache and greedy-generates a few tokens. Then it checks the transfer against an in-process run:
+write) and rebuilds its cache with ``SCDTransferCache.from_stream``, each layer as soon as its sections are in (so
+the rebuild overlaps the producer's prefill), then greedy-generates a few tokens. Then it checks the transfer against an in-process run:
 the received payload must be byte-identical to ``encode()`` of the same prompt, and the first tokens must equal those
 generated from ``SCDTransferCache.from_payload`` of that payload. It prints both checks and exits non-zero on a
 mismatch. gloo on CPU (the default), NCCL with ``--backend nccl`` on two GPUs.
@@ -39,7 +40,7 @@ from hf_kvcodecs.scd import (
     encode_to,
     full_rank_knowledge_base,
 )
-from hf_kvcodecs.transport import DistributedSender, receive_chunks
+from hf_kvcodecs.transport import ChunkStream, DistributedSender, receive_chunks
 
 PRODUCER, CONSUMER = 0, 1
 TINY_VOCAB = 128
@@ -154,19 +155,28 @@ def greedy(consumer, cache, prompt: torch.Tensor, new_tokens: int) -> list[int]:
 
 
 def consume(consumer, kb, prompt: torch.Tensor, new_tokens: int, deadline_s: float) -> tuple[bytes, list[int], dict]:
-    """Receive the payload, rebuild the cache, generate; the payload as received, the tokens and the timings."""
+    """Rebuild the cache while the payload arrives, then generate; the payload as received (kept only for the
+    check), the tokens and the timings."""
     started = time.perf_counter()
     received: list[bytes] = []
-    chunks = receive_chunks(PRODUCER, deadline_s=deadline_s, max_bytes=PayloadLimits().max_payload_bytes(kb))
-    for chunk in chunks:
-        received.append(chunk)
-    payload = b"".join(received)
-    arrived = time.perf_counter()
-    cache = SCDTransferCache.from_payload(payload, consumer, kb, input_ids=prompt)
+    arrivals: list[float] = []
+
+    def recorded(chunks):
+        for chunk in chunks:
+            received.append(chunk)
+            arrivals.append(time.perf_counter())
+            yield chunk
+
+    stream = ChunkStream(recorded(receive_chunks(PRODUCER, deadline_s=deadline_s,
+                                                 max_bytes=PayloadLimits().max_payload_bytes(kb))))
+    cache = SCDTransferCache.from_stream(stream, consumer, kb, input_ids=prompt)
+    stream.finish()  # the producer's end frame: its sender's close() waits until it is received
     rebuilt = time.perf_counter()
     tokens = greedy(consumer, cache, prompt, new_tokens)
-    return payload, tokens, {"receive_s": arrived - started, "rebuild_s": rebuilt - arrived,
-                             "generate_s": time.perf_counter() - rebuilt, "frames": len(received)}
+    return b"".join(received), tokens, {
+        "last_byte_s": arrivals[-1] - started, "rebuilt_s": rebuilt - started,
+        "rebuild_after_last_byte_s": rebuilt - arrivals[-1], "generate_s": time.perf_counter() - rebuilt,
+        "frames": len(received)}
 
 
 def check_in_process(producer, consumer, kb, prompt: torch.Tensor, payload: bytes, tokens: list[int],
@@ -198,8 +208,9 @@ def main(argv=None) -> int:
                   f"({sent['encode_and_send_s']:.2f} s prefill + code + send)", flush=True)
             return 0
         payload, tokens, timings = consume(consumer, kb, prompt, args.new_tokens, args.deadline)
-        print(f"[consumer] received {len(payload)} bytes in {timings['frames']} frames ({timings['receive_s']:.2f} s), "
-              f"rebuilt in {timings['rebuild_s']:.2f} s, generated {tokens}", flush=True)
+        print(f"[consumer] received {len(payload)} bytes in {timings['frames']} frames (last byte at "
+              f"{timings['last_byte_s']:.2f} s), cache rebuilt {timings['rebuild_after_last_byte_s']:.2f} s after the "
+              f"last byte, generated {tokens}", flush=True)
         checks = {**check_in_process(producer, consumer, kb, prompt, payload, tokens, args.new_tokens), **timings,
                   "model": args.model, "prompt_tokens": args.tokens, "backend": args.backend}
         print(f"[consumer] payload byte-identical to in-process encode(): {checks['payload_identical']}; "

@@ -62,7 +62,10 @@ class DistributedSender:
 
     ``write`` starts the send and returns (``isend``), so a producer passing it to ``encode_to`` keeps computing the
     next layer while this one's section is on the wire; the frames' tensors are kept until ``close()``. Errors of a
-    send (the peer is gone) are raised by ``close()`` as ``TransportClosed``. An empty ``write`` sends nothing (an empty
+    send (the peer is gone) are raised by ``close()`` as ``TransportClosed``. A gloo send completes only once the peer
+    has received it, so ``close()`` returns when the receiver has taken the end frame too: a reader that stops at the
+    payload's last section (``read_payload``, ``SCDTransferCache.from_stream`` over a :class:`ChunkStream`) must
+    call ``ChunkStream.finish()`` afterwards, or pass ``close(timeout_s=...)``. An empty ``write`` sends nothing (an empty
     frame would end the payload). Used as a context manager, an exception inside the block still sends the end frame
     (the consumer then fails at once on a truncated payload instead of waiting out its deadline) and is re-raised.
     """
