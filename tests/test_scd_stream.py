@@ -97,35 +97,51 @@ def test_a_complete_progressive_payload_decodes_as_the_one_pass_payload(producer
 def test_a_stream_cut_in_the_refinement_pass_decodes_the_base_pass(producer, stream, reuse_kb):
     prompt = _prompt(stream)
     progressive = encode(producer, prompt[:, :-1], reuse_kb, progressive=0.5)
-    budget = _section_end(progressive, "layers.0.value_refine")  # layer 0 refined, the others at their base pass
+    names = list(unpack_payload(progressive)[1])
+    # the base pass and then the refinements go deepest layer first
+    assert names[2:4] == ["layers.3.key_codes", "layers.3.key_scales"] and names[-1] == "layers.0.value_refine"
+    budget = _section_end(progressive, "layers.3.value_refine")  # layer 3 refined, the others at their base pass
     with pytest.raises(PartialPayloadError, match="byte budget"):
         SCDTransferCache.from_stream(progressive, producer, reuse_kb, byte_budget=budget)
     cache = SCDTransferCache.from_stream(progressive, producer, reuse_kb, byte_budget=budget, partial="accept")
     report = cache.transfer_report["stream"]
-    layer = 0
     assert report["bytes_received"] == budget and "byte budget" in report["stopped"]
-    assert layer in report["layers_full"] and report["layers_at_base_rank"] == [i for i in range(4) if i != layer]
+    assert report["layers_full"] == [3] and report["layers_at_base_rank"] == [0, 1, 2]
     # every layer decoded at its base rank is exactly what the truncated payload decodes
     base = SCDTransferCache.from_payload(truncate_payload(progressive, 0.5), producer, reuse_kb)
     full = SCDTransferCache.from_payload(progressive, producer, reuse_kb)
     for index in range(4):
-        expected = full if index == layer else base
+        expected = full if index == 3 else base
         torch.testing.assert_close(cache.layers[index].keys, expected.layers[index].keys, atol=1e-5, rtol=1e-4)
 
 
 def test_missing_base_sections_are_never_filled_in_and_recompute_computes_them(producer, stream, recompute_kb):
     prompt = _prompt(stream)
     payload = encode(producer, prompt[:, :-1], recompute_kb, progressive=0.5)
-    cut = _section_end(payload, "layers.0.value_scales")  # layer 0's base pass arrived, the Patch block did not
-    with pytest.raises(PartialPayloadError, match=r"layers \[1, 2, 3\]"):
+    names = list(unpack_payload(payload)[1])
+    assert names[2:5] == ["layers.2.patch_codes", "layers.2.patch_scales", "layers.2.patch_rms"]  # Patch first
+    oracle = _oracle(producer, prompt[:, :-1])
+    # the Patch block and layer 1's base pass arrived, layer 0's did not
+    cut = _section_end(payload, "layers.1.value_scales")
+    with pytest.raises(PartialPayloadError, match=r"layers \[0\] have sections missing"):
         SCDTransferCache.from_stream(payload[:cut], producer, recompute_kb, partial="accept")
     with pytest.raises(PartialPayloadError, match="input_ids"):
         SCDTransferCache.from_stream(payload[:cut], producer, recompute_kb, partial="recompute")
     cache = SCDTransferCache.from_stream(payload[:cut], producer, recompute_kb, partial="recompute",
                                          input_ids=prompt)
     report = cache.transfer_report["stream"]
-    assert "truncated" in report["stopped"] and report["layers_recomputed"] == [0, 1, 2, 3]
-    _assert_same_cache(cache, _oracle(producer, prompt[:, :-1]), atol=1e-4)
+    assert "truncated" in report["stopped"] and report["layers_recomputed"] == [0]
+    assert report["layers_at_base_rank"] == [1] and report["layers_full"] == [2, 3]
+    torch.testing.assert_close(cache.layers[0].keys, oracle.layers[0].keys, atol=1e-4, rtol=1e-3)  # the consumer's
+    complete = SCDTransferCache.from_payload(payload, producer, recompute_kb)
+    for index in (2, 3):  # the block ran as soon as its sections were in, as from the whole payload
+        torch.testing.assert_close(cache.layers[index].keys, complete.layers[index].keys, atol=1e-5, rtol=1e-4)
+    # cut inside the Patch block's sections: every layer below the block's last is recomputed
+    cut = _section_end(payload, "layers.2.patch_codes")
+    cache = SCDTransferCache.from_stream(payload[:cut], producer, recompute_kb, partial="recompute",
+                                         input_ids=prompt)
+    assert cache.transfer_report["stream"]["layers_recomputed"] == [0, 1, 2, 3]
+    _assert_same_cache(cache, oracle, atol=1e-4)
     # a prompt other than the payload's is refused before anything is recomputed from it
     with pytest.raises(PairMismatchError, match="another prompt"):
         SCDTransferCache.from_stream(payload[:cut], producer, recompute_kb, partial="recompute",
@@ -200,9 +216,9 @@ def test_a_shared_key_binds_every_section_to_the_producer_that_signed_it(produce
         encode(producer, prompt[:, :-1], reuse_kb, hmac_key=b"short")
     # a section spliced in from another signed payload passes its CRC-32 but not its tag
     other = encode(producer, _prompt(stream, start=900)[:, :-1], reuse_kb, hmac_key=key, progressive=0.5)
-    start, end = _section_end(signed, "layers.0.key_scales"), _section_end(signed, "layers.0.value_codes")
+    start, end = _section_end(signed, "layers.3.key_scales"), _section_end(signed, "layers.3.value_codes")
     spliced = signed[:start] + other[start:end] + signed[end:]
-    with pytest.raises(PayloadError, match="section 'layers.0.value_codes' failed its HMAC check"):
+    with pytest.raises(PayloadError, match="section 'layers.3.value_codes' failed its HMAC check"):
         SCDTransferCache.from_payload(spliced, producer, reuse_kb, hmac_key=key)
     with pytest.raises(PartialPayloadError, match="HMAC"):
         SCDTransferCache.from_stream(spliced, producer, reuse_kb, hmac_key=key)

@@ -32,8 +32,8 @@ from .manifest import (
     identity_mismatch,
 )
 from .model_access import LayerCapture, model_identity, prefill_with_taps, shapes
-from .payload import PayloadError, SectionSpec, unpack_payload
-from .progressive import REFINE_SUFFIX, merge_all, split_refinements
+from .payload import PayloadError, unpack_payload
+from .progressive import merge_all, split_refinements
 
 __all__ = [
     "CODEC_ID", "CODEC_VERSION", "READABLE_CODEC_VERSIONS", "EncodeReport", "PairMismatchError", "check_left_padded",
@@ -66,8 +66,8 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
             on_section: Callable[[str, torch.Tensor], None], *, attention_mask: torch.Tensor | None = None,
             tokenizer=None, code_bits: int | None = None, progressive: float | None = None) -> PayloadManifest:
     """Check the inputs and the pair, call ``on_manifest`` with the payload's manifest before the prefill, then
-    ``on_section(name, cpu_tensor)`` for every section in wire order, each as soon as the prefill produced it (a
-    progressive payload's refinements once the prefill has run)."""
+    ``on_section(name, cpu_tensor)`` for every section in wire order, each as soon as the prefill has produced it
+    and every section before it (a progressive payload's order differs from the layers')."""
     if input_ids.ndim == 1:
         input_ids = input_ids[None]
     if input_ids.ndim != 2 or input_ids.shape[1] < 1 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -92,16 +92,14 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
                                  f"{model_shapes.layers}.")
     manifest = PayloadManifest.for_prompt(kb, identity, input_ids, mask, bits, progressive=progressive)
     start = manifest.exact_columns
-    by_layer: dict[int, list[SectionSpec]] = {}
-    refinements = [spec for spec in manifest.section_table()[2:] if spec.name.endswith(REFINE_SUFFIX)]
-    for spec in manifest.section_table()[2:]:
-        if not spec.name.endswith(REFINE_SUFFIX):
-            by_layer.setdefault(int(spec.name.split(".")[1]), []).append(spec)
+    table = manifest.section_table()
     on_manifest(manifest)
     on_section("input.attention_mask", mask.to(torch.uint8).cpu())
     on_section("input.exact_token_ids", input_ids[:, :start].to(torch.int64).cpu())
     plan, bases = manifest.layers, manifest.base_layers()
-    held: dict[str, torch.Tensor] = {}  # a progressive payload's refinements, sent after every layer's base pass
+    owed = [spec.name for spec in table[2:]]  # in wire order: a section goes out once every one before it has
+    ready: dict[str, torch.Tensor] = {}
+    expected = {spec.name for spec in table}
 
     def on_layer(capture: LayerCapture) -> None:
         if start >= input_ids.shape[1]:
@@ -109,20 +107,20 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
         produced = encode_layer(capture, kb.plan[capture.index], kb, start, bits)
         if manifest.progressive is not None:
             produced, refined = split_refinements(plan[capture.index], bases[capture.index], produced, bits)
-            held.update((name, tensor.cpu()) for name, tensor in refined.items())
-        for spec in by_layer.get(capture.index, []):
-            if spec.name not in produced:
-                raise PayloadError(f"Layer {capture.index}'s coder produced no section {spec.name!r}, which the "
-                                   "manifest lists.")
-            on_section(spec.name, produced.pop(spec.name).cpu())
-        if produced:
-            raise PayloadError(f"Layer {capture.index}'s coder produced sections {sorted(produced)} the manifest does "
-                               "not list.")
+            produced.update(refined)
+        unlisted = sorted(set(produced) - expected)
+        if unlisted:
+            raise PayloadError(f"Layer {capture.index}'s coder produced sections {unlisted} the manifest does not "
+                               "list.")
+        ready.update((name, tensor.cpu()) for name, tensor in produced.items())
+        while owed and owed[0] in ready:
+            name = owed.pop(0)
+            on_section(name, ready.pop(name))
 
     prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.input_layers),
                       residuals_of=set(kb.residual_layers))
-    for spec in refinements:
-        on_section(spec.name, held.pop(spec.name))
+    if owed:
+        raise PayloadError(f"The coder produced no section {owed[0]!r}, which the manifest lists.")
     return manifest
 
 

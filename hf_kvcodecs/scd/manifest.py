@@ -325,7 +325,8 @@ class PayloadManifest:
         """Every section the payload carries, in wire order: the attention mask ``[B, T]`` (uint8), the exact
         columns' token ids ``[B, E]`` (int64), then, if any column is coded, each layer's sections in layer order as
         :func:`~hf_kvcodecs.scd.coding.section_layout` lists them (codes, their scales or gains, a recompute Patch
-        layer's RMS)."""
+        layer's RMS). A progressive payload sends every Patch layer's sections, then each Reuse layer's base pass
+        from the deepest layer to the first, then the refinements in that order."""
         batch, coded = self.batch, self.coded_tokens
         table = [SectionSpec("input.attention_mask", torch.uint8, (batch, self.tokens)),
                  SectionSpec("input.exact_token_ids", torch.int64, (batch, self.exact_columns))]
@@ -335,11 +336,15 @@ class PayloadManifest:
             for layer in self.layers:
                 table.extend(section_layout(layer, self.code_bits, batch, coded))
             return table
+        # Patch sections first: a recompute block can run as soon as they are in, and a cut after them leaves only
+        # Reuse layers to decode at a lower rank or, deepest first, the shallowest to recompute (the cheapest).
         bases = self.base_layers()
-        for base in bases:
+        order = [layer for layer in bases if layer.kind == "patch"] + \
+            [layer for layer in reversed(bases) if layer.kind == "reuse"]
+        for base in order:
             table.extend(section_layout(base, self.code_bits, batch, coded))
-        for layer, base in zip(self.layers, bases):
-            table.extend(refinement_layout(layer, base, self.code_bits, batch, coded))
+        for base in order:
+            table.extend(refinement_layout(self.layers[base.index], base, self.code_bits, batch, coded))
         return table
 
     def base_layers(self) -> tuple[LayerPlan, ...]:
