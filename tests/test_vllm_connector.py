@@ -245,6 +245,47 @@ def test_paged_layout_probe_reads_what_the_cpu_backend_wrote(dtype):
                            keys[:32])  # the CPU backend does not store plain key rows: the probe is needed
 
 
+@needs_vllm
+def test_worker_loads_payloads_and_marks_the_blocks_of_a_refused_one(tiny_pair_model, reuse_kb, stream, tmp_path):
+    """start_load_kv on a tiny model's attention layers (the backend's writer recorded): a stored payload is decoded
+    and written into the blocks vLLM did not hold; a missing one leaves the cache alone and its blocks become load
+    errors, reported once."""
+    from types import SimpleNamespace
+
+    from hf_kvcodecs.scd.paged_transfer import payload_limits
+    from hf_kvcodecs.scd.vllm_connector import SCDConnector, SCDConnectorMetadata, ServedModel, TransferSpec
+
+    inv_freq, scaling = find_rotary_parameters(tiny_pair_model)
+    connector = object.__new__(SCDConnector)  # the worker's state, without a vLLM engine around it
+    connector._connector_metadata = None
+    connector._kb, connector._store = reuse_kb, PromptPayloadStore(tmp_path)
+    connector._block_size, connector._max_tokens = 16, 1024
+    connector._max_bytes = payload_limits(1024).max_payload_bytes(reuse_kb)
+    connector._served = ServedModel(check_producer(tiny_pair_model, reuse_kb), inv_freq, scaling, 2, 16)
+    connector._load_errors = set()
+    prompt, other = stream[:48][None], stream[100:148][None]
+    connector._store.write(prompt[0].tolist(), _encode(tiny_pair_model, reuse_kb, prompt))
+    writes = []
+
+    def layer(index):
+        impl = SimpleNamespace(do_kv_cache_update=lambda layer, keys, values, cache, slots: writes.append(
+            (index, keys, values, slots)))
+        return SimpleNamespace(kv_cache=torch.zeros(10, 2, 16, 32), impl=impl)
+
+    layers = {f"model.layers.{index}.self_attn.attn": layer(index) for index in range(3)}
+    connector.bind_connector_metadata(SCDConnectorMetadata(loads=[
+        TransferSpec("held-first-block", prompt[0].tolist(), [7, 2, 5], 16, 48),
+        TransferSpec("no-payload", other[0].tolist(), [1, 3, 4], 0, 48)]))
+    connector.start_load_kv(SimpleNamespace(no_compile_layers=layers))
+    expected = _decode(tiny_pair_model, reuse_kb, connector._store.read(prompt[0].tolist(), 1 << 30), prompt)
+    assert [index for index, *_ in writes] == [0, 1, 2]
+    for index, keys, values, slots in writes:
+        assert torch.equal(keys, expected[index][0][16:48]) and torch.equal(values, expected[index][1][16:48])
+        assert slots.tolist() == list(range(32, 48)) + list(range(80, 96))
+    assert connector.get_block_ids_with_load_errors() == {1, 3, 4}
+    assert connector.get_block_ids_with_load_errors() == set()
+
+
 ENGINE_SCRIPT = textwrap.dedent('''
     import json, sys
 

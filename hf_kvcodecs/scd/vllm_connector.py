@@ -360,7 +360,8 @@ class SCDConnector(KVConnectorBase_V1):
                 metadata.loads.append(TransferSpec(new.req_id, prompt[:end], blocks, start, end))
                 continue
             tokens = prefix_tokens(len(prompt), self._block_size)
-            if self._producer and tokens and not self._store.contains(prompt[:tokens]):
+            # a stored payload this knowledge base cannot use (another save, model or prompt) is replaced
+            if self._producer and tokens and not self._usable(prompt[:tokens], refusal_is_news=False):
                 self._pending_saves[new.req_id] = TransferSpec(new.req_id, prompt[:tokens], blocks, 0, tokens)
                 self._maybe_save(metadata, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -389,8 +390,9 @@ class SCDConnector(KVConnectorBase_V1):
         if computed_after_step >= self._pending_saves[request_id].end:
             metadata.saves.append(self._pending_saves.pop(request_id))
 
-    def _usable(self, token_ids: list[int]) -> bool:
-        """Whether the stored payload for this prompt passes every check; the verdict is kept per file version."""
+    def _usable(self, token_ids: list[int], refusal_is_news: bool = True) -> bool:
+        """Whether the stored payload for this prompt passes every check; the verdict is kept per file version. A
+        consumer logs a refusal (the prompt is then computed); a producer about to replace the file does not."""
         path = self._store.path(token_ids)
         try:
             stat = path.stat()
@@ -407,6 +409,7 @@ class SCDConnector(KVConnectorBase_V1):
                 read_prompt_payload(payload, self._kb, token_ids, max_tokens=self._max_tokens)
                 self._verdicts[version] = True
             except REFUSALS as error:
-                logger.warning("SCD: the stored payload %s is refused, so the prompt is computed: %s", path, error)
+                if refusal_is_news:
+                    logger.warning("SCD: the stored payload %s is refused, so the prompt is computed: %s", path, error)
                 self._verdicts[version] = False
         return self._verdicts[version]
