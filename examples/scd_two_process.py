@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/scd_two_process.py                      # tiny random pair, fitted here
     torchrun --nproc-per-node 2 examples/scd_two_process.py --model default \\
         --producer artifacts/draft-w4g64 --consumer default \\
-        --knowledge-base artifacts/kb-w4-late/recompute-20-10_tau0_4-bit --tokens 1024
+        --knowledge-base artifacts/kb-w4-ablation/recompute-5-25_tau0_8-bit --tokens 1024
 
 Rank 0 (producer) runs ``encode_to`` with a :class:`~hf_kvcodecs.transport.DistributedSender` as its ``write``
 callback, so each section leaves as soon as the prefill has produced it. Rank 1 (consumer) receives the frames with

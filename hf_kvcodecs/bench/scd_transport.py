@@ -400,14 +400,16 @@ def transport_markdown(results: dict) -> str:
              f"Knowledge base `{kb['directory']}` ({kb['code_bits']}-bit codes). Transport: {results['transport']}; "
              f"{settings['threads']} torch thread(s) per process; prompt: the first tokens of {settings['text']}. "
              f"TTFT = from the consumer's request to its first generated token, on the consumer's clock; medians of "
-             f"{settings['repeats']} interleaved repeats after a warm-up round.", ""]
+             f"{settings['repeats']} interleaved repeats after a warm-up round. Producer done: from the request to its "
+             "sender's close(), which returns once the consumer has taken the end frame (for scd-stream, after its "
+             "rebuild).", ""]
     for tokens, by_method in results["measured"].items():
         modelled = results["modelled"].get(tokens, {})
         measured_gbps = modelled.get("measured_loopback_gbps")
         bandwidths = [str(bw) for bw in settings["modelled_bandwidths_gbps"]]
         header_bw = " | ".join(f"modelled @ {bw} Gbit/s" for bw in bandwidths)
         lines += [f"## {tokens} prompt tokens", "",
-                  f"| method | measured TTFT (s) | last byte (s) | rebuild (s) | first step (s) | producer send (s) | "
+                  f"| method | measured TTFT (s) | last byte (s) | last byte -> cache (s) | first step (s) | producer done (s) | "
                   f"payload bytes | first token = local | modelled @ loopback (s) | {header_bw} |",
                   "|---|---|---|---|---|---|---|---|---|" + "---|" * len(bandwidths)]
         for method, entry in by_method.items():

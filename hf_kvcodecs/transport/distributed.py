@@ -5,10 +5,14 @@ int64 length tensor followed by a uint8 tensor of that many bytes; a zero-length
 payloads can follow each other between the same two ranks (one :class:`DistributedSender` and one
 :func:`receive_chunks` call per payload).
 
-What gloo does, measured with torch 2.13 (the tests check each):
+What gloo does, seen with torch 2.13 on loopback (tests/test_transport.py checks the timeout, the dead peer and the
+closed pair):
 
-- ``Work.is_completed()`` of a gloo receive stays False until ``wait()`` is called, so polling cannot see a frame
-  arrive; the receiver waits with ``Work.wait(timeout=...)``, which raises ``Timed out waiting ...ms for recv``.
+- ``Work.is_completed()`` of a gloo receive stays False even after its data has arrived, until ``wait()`` is
+  called, so polling cannot see a frame arrive; the receiver waits with ``Work.wait(timeout=...)``, which raises
+  ``Timed out waiting ...ms for recv operation to complete``.
+- ``isend`` returns at once, but its ``Work`` completes only when the peer has received the frame: a sender waiting
+  on its end frame waits for the receiver to read it.
 - A peer that exits or crashes makes a pending receive fail at once (``Connection reset by peer`` /
   ``Connection closed by peer``), well inside any deadline.
 - After a receive times out, gloo closes the pair to that rank (``Application timeout caused pair closure``): every
