@@ -131,7 +131,7 @@ class PagedLayout:
                 position += (written - 1).clamp_min(0) * scale
                 digits, scale = digits + 1, scale * 255
             flat = torch.nonzero(found).reshape(-1)
-            if flat.numel() != count:
+            if flat.numel() != count or int(position[flat].max()) >= count:
                 raise ValueError(f"The attention backend's cache writer put {flat.numel()} elements of one block's "
                                  f"{'keys' if which == 0 else 'values'} where {count} were written; the SCD connector "
                                  "cannot read this KV cache layout (an unquantized cache is needed).")
