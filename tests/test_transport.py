@@ -223,3 +223,59 @@ def test_file_receiver_waits_for_the_file_and_a_failed_sender_publishes_nothing(
     assert not failed.exists() and not sender.partial.exists()
     with pytest.raises(TransportTimeout, match=r"0 bytes received; no .*failed.scd.partial either"):
         list(file_chunks(failed, deadline_s=0.1, max_bytes=10))
+
+
+# ---- bench scd-transport's pieces ----------------------------------------------------------------------------------
+
+
+def test_raw_bf16_stream_is_each_layers_cached_keys_and_values_in_bfloat16():
+    from transformers import DynamicCache, LlamaForCausalLM
+
+    from hf_kvcodecs.bench.scd_transport import _stream_raw_bf16
+
+    from .conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(1))
+    chunks: list[bytes] = []
+    _stream_raw_bf16(model, ids, chunks.append)
+    assert len(chunks) == 1 + 2 * model.config.num_hidden_layers  # the head, then each layer's keys and values
+    _, sections = read_payload(ChunkStream(iter(chunks)))
+    reference = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=reference)
+    for index, layer in enumerate(reference.layers):
+        assert torch.equal(sections[f"layers.{index}.keys"], layer.keys.to(torch.bfloat16))
+        assert torch.equal(sections[f"layers.{index}.values"], layer.values.to(torch.bfloat16))
+
+
+def test_transport_summary_report_and_curve(tmp_path):
+    from hf_kvcodecs.bench.scd_transport import measured_summary, transport_markdown, transport_plot
+
+    def rows(ttfts, **extra):
+        return [{"ttft_s": ttft, "last_byte_s": ttft / 2, "first_token": token, "payload_bytes": 1000, **extra}
+                for ttft, token in ttfts]
+
+    consumer = {tokens: {"local-prefill": [{"ttft_s": 2.0, "first_token": 5}, {"ttft_s": 4.0, "first_token": 6}],
+                         "scd-stream": rows([(1.0, 5), (3.0, 7)], rebuild_s=0.1, first_step_s=0.05),
+                         "scd-whole": rows([(1.5, 5), (2.5, 6)]), "raw-bf16-stream": rows([(2.0, 5), (2.0, 6)]),
+                         "wire-only": [{"ttft_s": 0.008, "last_byte_s": 0.008, "payload_bytes": 10**6}] * 2}
+                for tokens in ("64", "128")}
+    producer = {tokens: {"scd-stream": [{"produce_and_send_s": 0.9, "payload_bytes": 1000, "frames": 3}] * 2}
+                for tokens in ("64", "128")}
+    summary = measured_summary(producer, consumer)
+    scd = summary["64"]["scd-stream"]
+    assert scd["ttft_s"] == 2.0 and scd["first_token_equals_local_prefill"] == 0.5 and scd["producer"]["frames"] == 3
+    assert summary["64"]["raw-bf16-stream"]["first_token_equals_local_prefill"] == 1.0
+    assert summary["64"]["wire-only"]["loopback_gbps"] == pytest.approx(1.0)
+    modelled = {tokens: {"measured_loopback_gbps": 1.0, "cost": {},
+                         "ttft_s": {name: {"1.0": 3.0, "10.0": 2.0} for name in ("oracle", "scd", "raw-16")}}
+                for tokens in ("64", "128")}
+    results = {"settings": {"threads": 1, "text": "t", "repeats": 2, "modelled_bandwidths_gbps": [10.0],
+                            "modelled_repeats": 1},
+               "knowledge_base": {"producer": "p", "consumer": "c", "directory": "kb", "code_bits": 4},
+               "transport": "gloo", "measured": summary, "modelled": modelled}
+    markdown = transport_markdown(results)
+    assert "| scd-stream | 2.000 | 1.000 | 0.100 | 0.050 | 0.900 | 1000 | 50% | 3.000 | 2.000 |" in markdown
+    assert transport_plot(results, tmp_path / "curve.png") and (tmp_path / "curve.png").stat().st_size > 0
