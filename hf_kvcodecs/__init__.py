@@ -91,7 +91,7 @@ def _register_once_model_code_is_loaded(just_imported: str) -> None:
     the modules the registration reads is still being imported: importing our own modules from inside one of their
     imports (the quantizer's, which loads transformers' model code) would find them half-defined, so this waits for
     the import that finishes them, which is watched too."""
-    if not any(name in sys.modules for name in _TRANSFORMERS_MODEL_CODE):
+    if not any(name in sys.modules for name in _TRANSFORMERS_MODEL_CODE) or _stay_out():
         return
     if any(_watched(name) and name != just_imported and is_being_imported(name) for name in list(sys.modules)):
         return
@@ -109,15 +109,34 @@ def _register_once_model_code_is_loaded(just_imported: str) -> None:
 
 
 def _accept_cache_names_ahead(name: str) -> None:
+    if _stay_out():
+        return
     from .integrations.transformers_patch import accept_cache_implementation_names
 
     remove_import_hook(_accept_cache_names_ahead)
     accept_cache_implementation_names(sys.modules[name], _CACHE_IMPLEMENTATIONS)
 
 
+def _inside_vllm() -> bool:
+    """A vLLM process (its KV connector, :mod:`hf_kvcodecs.scd.vllm_connector`, imports this package) runs vLLM's own
+    model code with the transformers vLLM pins, never ``generate()``: hf_kvcodecs leaves that transformers as it is.
+    (``hf_kvcodecs.register_cache_implementation`` still registers a cache name explicitly.)"""
+    return "vllm" in sys.modules
+
+
+def _stay_out() -> bool:
+    if not _inside_vllm():
+        return False
+    remove_import_hook(_register_once_model_code_is_loaded)
+    remove_import_hook(_accept_cache_names_ahead)
+    return True
+
+
 if f"{__name__}.quantization" not in sys.modules:  # (a reload finds it imported, and the methods with it)
     add_import_hook(lambda name: name == f"{__name__}.quantization", _import_the_methods, when="before")
-if "transformers" in sys.modules:
+if _inside_vllm():
+    pass  # see _inside_vllm
+elif "transformers" in sys.modules:
     _register_with_transformers()  # what an import after transformers costs: torch and transformers are loaded already
 else:
     add_import_hook(_watched, _register_once_model_code_is_loaded, when="after")

@@ -22,10 +22,10 @@ from hf_kvcodecs.cli._common import HelpFormatter
 
 COMMANDS = {("demo",), ("calibrate",), ("push-codebooks",), ("compress",), ("bench", "kv"), ("bench", "memory"),
             ("bench", "codec"), ("bench", "weights"), ("bench", "split"), ("bench", "decode"), ("bench", "scd"),
-            ("bench", "squat"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
+            ("bench", "squat"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("bench", "scd-serving"), ("squat",), ("scd", "make-consumer"), ("scd", "make-draft"),
             ("scd", "fit"), ("export",)}
 # the SCD commands name two models (--producer, --consumer) instead of one --model
-PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("scd", "fit")}
+PAIR_COMMANDS = {("bench", "scd"), ("bench", "scd-mismatch"), ("bench", "scd-transport"), ("bench", "scd-serving"), ("scd", "fit")}
 # Imported by commands when they run, never by building the parser or printing --help: `import hf_kvcodecs` imports
 # none of them either (it registers with transformers once transformers loads its model code).
 HEAVY_MODULES = ["torch", "transformers", "numpy", "matplotlib", "hf_kvcodecs.gsrq", "hf_kvcodecs.scd",

@@ -209,11 +209,8 @@ def test_connector_is_a_complete_kv_connector_v1():
 
 
 @needs_vllm
-@pytest.mark.xfail(strict=True, reason="hf_kvcodecs/scd/__init__.py imports .artifact -> .cache -> "
-                   "transformers.cache_utils, which imports transformers.generation.configuration_utils, on which "
-                   "hf_kvcodecs/__init__.py's import hook imports integrations.transformers_patch (it declines to "
-                   "patch transformers outside its range, with an UnsupportedTransformersWarning)")
 def test_importing_the_connector_leaves_the_transformers_patch_out():
+    """In vLLM's environment: the connector, vLLM and its transformers load, and hf_kvcodecs patches nothing."""
     code = ("import sys, hf_kvcodecs.scd.vllm_connector; "
             "sys.exit('hf_kvcodecs.integrations.transformers_patch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
@@ -361,3 +358,14 @@ def test_vllm_producer_then_consumer_on_the_default_model(tmp_path):
     assert consumed["tokens"][1] == produced["tokens"][1]
     print(f"block {block}: {covered} tokens loaded from a {payload_bytes}-byte payload "
           f"({payload_bytes / covered:.0f} bytes/token at 16-bit codes); tokens {consumed['tokens'][0]}")
+
+
+def test_inside_a_vllm_process_hf_kvcodecs_leaves_transformers_alone():
+    """The same rule without vLLM installed: with a module named vllm loaded, importing SCD's payload side and then
+    transformers' model code neither imports the transformers patch nor registers the cache names."""
+    code = ("import sys, types; sys.modules['vllm'] = types.ModuleType('vllm'); "
+            "import hf_kvcodecs.scd.paged_transfer, transformers; from transformers import LlamaForCausalLM, "
+            "GenerationConfig; "
+            "sys.exit(int('hf_kvcodecs.integrations.transformers_patch' in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

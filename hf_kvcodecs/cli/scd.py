@@ -80,7 +80,7 @@ def add_parser(commands) -> None:
     fit.add_argument("--encoders-from", type=Path, default=None, metavar="KB_DIR",
                      help="keep the producer encoders and Patch layers of this saved knowledge base (same producer, "
                           "PCA codes) and fit only this consumer's decoders and ranks, so one stored set of producer "
-                          "codes serves both consumers (hf_kvcodecs.scd.code_store)")
+                          "codes serves both consumers (hf_kvcodecs.scd.code_store) (default: fit its own encoders)")
     fit.set_defaults(func=run_fit)
 
 

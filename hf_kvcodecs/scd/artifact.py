@@ -13,10 +13,9 @@ from pathlib import Path
 
 from ..fileio import fsync
 from ..integrations.kv_artifacts import KVArtifact
-from .cache import check_consumer
-from .encode import PairMismatchError
 from .hub import SAVED_MODEL_FOLDER, download_knowledge_base
 from .knowledge_base import METADATA_FILE, TENSORS_FILE, KnowledgeBaseError, SCDKnowledgeBase
+from .manifest import PairMismatchError
 from .model_access import decoder_layers, forget_identity, shapes
 
 
@@ -30,6 +29,8 @@ def _check_scd_consumer(model, kb: SCDKnowledgeBase) -> None:
     if layers != kb.num_layers:
         raise PairMismatchError(f"The consumer has {layers} layers; the knowledge base plans {kb.num_layers}: it was "
                                 "fitted for another model.")
+    from .cache import check_consumer  # the consumer's cache loads transformers, which this module does not need
+
     try:
         check_consumer(model, kb)
     finally:
