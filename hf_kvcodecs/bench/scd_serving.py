@@ -193,7 +193,7 @@ def serving_markdown(results: dict) -> str:
     lines += ["", f"Progressive payload (base fraction {settings['progressive_fraction']}) against a one-pass payload "
               "cut at the same bytes (means over windows):", "",
               "| layout | budget (bytes) | accept: KL | recompute: KL | layers at base rank | layers recomputed | "
-              "recompute s |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "consumer s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for layout, rows in results["progressive_curve"].items():
         for row in rows:
             accept = row["accept"]
