@@ -22,7 +22,7 @@ demo: setup
 	$(BIN)/hf-kvcodecs demo
 
 test: setup lint
-	$(BIN)/python -m pytest -q -n 2 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 # the import layering contracts (pyproject.toml, [tool.importlinter]) and the lint rules ([tool.ruff])
 lint: setup

@@ -43,6 +43,7 @@ from .conftest import tiny_llama_config
 FUZZ = settings(max_examples=40, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 REFUSALS = (PayloadError, PairMismatchError, KnowledgeBaseError)
+# the last test reads what every case recorded, so the module must run on one xdist worker (`make test`: --dist loadfile)
 OUTCOMES: Counter = Counter()
 CASE_SECONDS = 5.0  # a refusal is immediate; this bounds a "hang" on a slow shared machine
 

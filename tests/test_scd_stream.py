@@ -222,3 +222,18 @@ def test_a_shared_key_binds_every_section_to_the_producer_that_signed_it(produce
         SCDTransferCache.from_payload(spliced, producer, reuse_kb, hmac_key=key)
     with pytest.raises(PartialPayloadError, match="HMAC"):
         SCDTransferCache.from_stream(spliced, producer, reuse_kb, hmac_key=key)
+
+
+def test_the_producer_runs_only_the_layers_its_plan_reads(producer, stream, recompute_kb):
+    """The block 2..3 is the consumer's to run: the producer's prefill stops after layer 2's states."""
+    calls = []
+    handles = [layer.register_forward_hook(lambda module, args, output, index=index: calls.append(index))
+               for index, layer in enumerate(producer.model.layers)]
+    try:
+        payload = encode(producer, _prompt(stream)[:, :-1], recompute_kb)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == [0, 1]  # layer 2 stops inside its attention, once its residual, keys and values were tapped
+    cache = SCDTransferCache.from_payload(payload, producer, recompute_kb)
+    assert cache.get_seq_length() == _prompt(stream).shape[1] - 1

@@ -117,8 +117,10 @@ def _encode(producer, input_ids: torch.Tensor, kb: SCDKnowledgeBase, on_manifest
             name = owed.pop(0)
             on_section(name, ready.pop(name))
 
+    # The producer runs only as deep as the plan reads: layers a recompute block covers are the consumer's to run.
+    deepest = max(layer.index for layer in kb.plan if layer.kind != "recomputed")
     prefill_with_taps(producer, input_ids, mask, on_layer, inputs_of=set(kb.input_layers),
-                      residuals_of=set(kb.residual_layers))
+                      residuals_of=set(kb.residual_layers), stop_after=deepest)
     if owed:
         raise PayloadError(f"The coder produced no section {owed[0]!r}, which the manifest lists.")
     return manifest

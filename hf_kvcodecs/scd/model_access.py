@@ -253,14 +253,19 @@ def residual_direction(residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return residual / rms[..., None], rms
 
 
+class _LastLayerTapped(Exception):
+    """Raised from a hook to end a forward whose remaining layers nobody reads."""
+
+
 @torch.inference_mode()
 def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                       on_layer: Callable[[LayerCapture], None], *, inputs_of: set[int] | frozenset = frozenset(),
                       all_inputs: bool = False, residuals_of: set[int] | frozenset = frozenset(),
-                      all_residuals: bool = False) -> None:
+                      all_residuals: bool = False, stop_after: int | None = None) -> None:
     """Run ``model`` over the prompt once and call ``on_layer`` for each layer as soon as its states exist (so a
     caller can encode and send layer ``l`` while layers after it still run). Nothing is kept afterwards; no logits
-    beyond the last position are computed."""
+    beyond the last position are computed. ``stop_after``: the forward stops once layer ``stop_after``'s states
+    were handed over (layers after it are neither run nor passed to ``on_layer``)."""
     layers = decoder_layers(model)
     pending: dict[int, dict] = {}
     handles = []
@@ -272,6 +277,8 @@ def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tens
             if "keys" in state and "values" in state:
                 del pending[index]
                 on_layer(LayerCapture(index, state["keys"], state["values"], state.get("inputs"), state.get("residual")))
+                if index == stop_after:
+                    raise _LastLayerTapped
         return hook
 
     def tap_residual(index: int):
@@ -290,6 +297,8 @@ def prefill_with_taps(model, input_ids: torch.Tensor, attention_mask: torch.Tens
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         model(input_ids=input_ids, attention_mask=mask, position_ids=positions_from_mask(mask), use_cache=False,
               logits_to_keep=1)
+    except _LastLayerTapped:
+        pass
     finally:
         for handle in handles:
             handle.remove()
