@@ -82,6 +82,24 @@ def _vocab_size(model) -> int:
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(text_config(model).vocab_size)
 
 
+def _check_receiver(consumer, kb, tokenizer, expand, max_batch: int, max_tokens: int,
+                    ) -> tuple[SCDKnowledgeBase, PayloadLimits]:
+    """What a consumer checks before it reads a payload's first byte: its arguments, the knowledge base (loaded from
+    a directory if need be, and saved) and that it is the consumer, with the tokenizer, the knowledge base is for."""
+    if type(expand) is not int or expand < 1:
+        raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
+    limits = PayloadLimits(max_batch, max_tokens)
+    if not isinstance(kb, SCDKnowledgeBase):
+        kb = load_knowledge_base(kb)
+    kb.identity()  # KnowledgeBaseError: an unsaved knowledge base cannot tell which payloads are its own
+    check_consumer(consumer, kb)
+    check_tokenizer(tokenizer, kb, "consumer")
+    layers = shapes(consumer).layers
+    if layers != kb.num_layers:
+        raise PairMismatchError(f"The consumer has {layers} layers; the knowledge base plans {kb.num_layers}.")
+    return kb, limits
+
+
 class SCDTransferCache(DynamicCache):
     """A ``DynamicCache`` whose prefix was rebuilt from an SCD payload instead of computed.
 
@@ -127,18 +145,7 @@ class SCDTransferCache(DynamicCache):
         with that key is refused, and without it a signed payload is.
         """
         started = time.perf_counter()
-        if type(expand) is not int or expand < 1:
-            raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
-        limits = PayloadLimits(max_batch, max_tokens)
-        if not isinstance(kb, SCDKnowledgeBase):
-            kb = load_knowledge_base(kb)
-        kb.identity()  # KnowledgeBaseError: an unsaved knowledge base cannot tell which payloads are its own
-        check_consumer(consumer, kb)
-        check_tokenizer(tokenizer, kb, "consumer")
-        model_shapes = shapes(consumer)
-        if model_shapes.layers != kb.num_layers:
-            raise PairMismatchError(f"The consumer has {model_shapes.layers} layers; the knowledge base plans "
-                                    f"{kb.num_layers}.")
+        kb, limits = _check_receiver(consumer, kb, tokenizer, expand, max_batch, max_tokens)
         max_bytes = limits.max_payload_bytes(kb) if max_payload_bytes is None else max_payload_bytes
         # The manifest, its section table included, is validated before any section becomes a tensor.
         raw, sections = unpack_payload(payload, max_bytes=max_bytes, hmac_key=hmac_key,
@@ -193,18 +200,7 @@ class SCDTransferCache(DynamicCache):
         the time between sections as this reader sees it; a blocking read is bounded by the transport's own
         deadline."""
         started = time.perf_counter()
-        if type(expand) is not int or expand < 1:
-            raise ValueError(f"expand must be a positive integer (num_beams or num_return_sequences), got {expand!r}.")
-        limits = PayloadLimits(max_batch, max_tokens)
-        if not isinstance(kb, SCDKnowledgeBase):
-            kb = load_knowledge_base(kb)
-        kb.identity()
-        check_consumer(consumer, kb)
-        check_tokenizer(tokenizer, kb, "consumer")
-        model_shapes = shapes(consumer)
-        if model_shapes.layers != kb.num_layers:
-            raise PairMismatchError(f"The consumer has {model_shapes.layers} layers; the knowledge base plans "
-                                    f"{kb.num_layers}.")
+        kb, limits = _check_receiver(consumer, kb, tokenizer, expand, max_batch, max_tokens)
         if isinstance(source, (bytes, bytearray, memoryview)):
             source = io.BytesIO(source)
         elif not hasattr(source, "read"):

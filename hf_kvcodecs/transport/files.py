@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..fileio import fsync
 from .errors import TransportClosed, TransportError, TransportTimeout, check_limits
 
 __all__ = ["PARTIAL_SUFFIX", "FileSender", "file_chunks"]
@@ -46,7 +47,7 @@ class FileSender:
         os.fsync(self._file.fileno())
         self._file.close()
         os.replace(self.partial, self.path)
-        _fsync_directory(self.path.parent)
+        fsync(self.path.parent)  # the rename is durable only once the directory entry is
 
     def abort(self) -> None:
         """Drop what was written; ``path`` is left as it was."""
@@ -62,20 +63,6 @@ class FileSender:
             self.close()
         else:
             self.abort()
-
-
-def _fsync_directory(directory: Path) -> None:
-    # the rename is durable only once the directory entry is; some platforms cannot open a directory
-    try:
-        descriptor = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 def file_chunks(path: str | os.PathLike, *, deadline_s: float, max_bytes: int, poll_s: float = 0.05,
