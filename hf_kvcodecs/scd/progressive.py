@@ -20,7 +20,7 @@ import torch
 
 from ..codecs import bit_allocation
 from ..codecs.lowrank import pack_int4, unpack_int4
-from .coding import FLAT_CODE_DTYPES, section_layout, whitened_code
+from .coding import FLAT_CODE_DTYPES, whitened_code
 from .knowledge_base import LayerPlan
 from .payload import SectionSpec
 
@@ -114,8 +114,3 @@ def merge_all(layers, bases, sections: dict[str, torch.Tensor], bits: int) -> di
         merged.update(merge_refinements(full, base, {name: tensor for name, tensor in sections.items()
                                                      if name.startswith(prefix)}, bits))
     return merged
-
-
-def base_layout(layer: LayerPlan, fraction: float, bits: int, batch: int, coded: int) -> list[SectionSpec]:
-    """The base-pass sections of one layer."""
-    return section_layout(base_layer(layer, fraction), bits, batch, coded)
