@@ -5,6 +5,7 @@ the SQuaT - raw-teacher difference per evaluation window over seeds, on a tiny r
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -116,3 +117,29 @@ def test_bench_squat_keeps_the_mechanism_and_pairs_windows_over_seeds(tmp_path):
     with pytest.raises(ValueError, match=r"distillation_layers: None there, \[1\] now"):
         run_squat_bench(loaded, stream[:3000], stream[3000:], settings=["W4A2"], arms=["squat"], seeds=[0],
                         base=base, out=tmp_path, train_description="a", eval_description="b", progress=False)
+
+
+def test_bench_squat_seeds_the_reference_arms_and_pairs_squat_with_each(tmp_path):
+    from hf_kvcodecs.bench.squat import run_squat_bench
+    from hf_kvcodecs.training.run import SQuaTRunSettings
+
+    torch.manual_seed(0)
+    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()), tokenizer=None, description="tiny")
+    stream = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+    base = SQuaTRunSettings(group_size=16, steps=2, sequence_tokens=32, batch_size=2, eval_windows=3, eval_tokens=64,
+                            activation_granularity="tensor", activation_modules=LAST_MLP_INPUTS,
+                            distillation_layers=[1])
+    results = run_squat_bench(loaded, stream[:3000], stream[3000:], settings=["W4A2"], arms=["squat", "logit-kd"],
+                              seeds=[0, 1], reference_seeds=[0, 1], base=base, out=tmp_path, train_description="a",
+                              eval_description="b", progress=False)
+    assert set(results["runs"]) == {"W4A2/squat/seed0", "W4A2/squat/seed1", "W4A2/logit-kd/seed0",
+                                    "W4A2/logit-kd/seed1"}
+    assert results["over_seeds"] == {}  # no raw-teacher arm ran
+    pooled = results["over_seeds_against"]["logit-kd"]["W4A2"]
+    assert pooled["seeds"] == ["seed0", "seed1"]
+    runs = results["runs"]
+    expected = [statistics.mean(runs[f"W4A2/squat/{seed}"]["trained"]["window_nll"][window]
+                                - runs[f"W4A2/logit-kd/{seed}"]["trained"]["window_nll"][window]
+                                for seed in ("seed0", "seed1")) for window in range(3)]
+    assert pooled["nll"]["per_window_mean"] == pytest.approx(expected)
+    assert "W4A2: SQuaT minus logit-kd, per-window NLL" in (tmp_path / "squat.md").read_text()

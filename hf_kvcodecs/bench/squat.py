@@ -47,8 +47,11 @@ def paired_difference(first: list[float], second: list[float]) -> dict:
 
 def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: list[str], seeds: list[int],
                     base: SQuaTRunSettings, out: Path, train_description: str, eval_description: str,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, reference_seeds: list[int] | None = None) -> dict:
+    """Train and evaluate every arm at every setting. SQuaT and its raw-teacher ablation run every seed of ``seeds``;
+    the other arms run ``reference_seeds`` (default: the first of ``seeds``)."""
     out = Path(out)
+    reference_seeds = list(reference_seeds) if reference_seeds else seeds[:1]
     out.mkdir(parents=True, exist_ok=True)
     unknown = sorted(set(arms) - set(BENCH_ARMS))
     if unknown:
@@ -62,7 +65,7 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
     for setting in settings:
         weight_bits, activation_bits = parse_setting(setting)
         for arm in arms:
-            for seed in seeds if arm in PAIRED_ARMS else seeds[:1]:
+            for seed in seeds if arm in PAIRED_ARMS else reference_seeds:
                 key = f"{setting}/{arm}/seed{seed}"
                 if key in results["runs"]:
                     continue
@@ -78,6 +81,8 @@ def run_squat_bench(loaded, train_ids, eval_ids, *, settings: list[str], arms: l
                 path.write_text(json.dumps(results, indent=1))
     results["comparisons"] = comparisons(results["runs"])
     results["over_seeds"] = over_seeds(results["runs"])
+    results["over_seeds_against"] = {other: pooled for other in ARM_ORDER if other not in PAIRED_ARMS
+                                     if (pooled := over_seeds(results["runs"], other))}
     path.write_text(json.dumps(results, indent=1))
     (out / "squat.md").write_text(squat_markdown(results))
     if results["runs"]:
@@ -143,8 +148,8 @@ def comparisons(runs: dict) -> dict:
     return found
 
 
-def over_seeds(runs: dict) -> dict:
-    """Per setting, SQuaT minus raw-teacher-feature over every seed both ran: per evaluation window the difference
+def over_seeds(runs: dict, other: str = "raw-teacher-feature") -> dict:
+    """Per setting, SQuaT minus ``other`` (an arm) over every seed both ran: per evaluation window the difference
     of each seed (NLL and, where kept, KL), the mean over seeds per window, the mean of those with its standard
     error over windows, the standard error over seeds of the seeds' means, and whether every seed has the sign of
     the mean and lies beyond 2 se of its own windows."""
@@ -152,14 +157,14 @@ def over_seeds(runs: dict) -> dict:
     settings = dict.fromkeys(key.split("/")[0] for key in runs)
     for setting in settings:
         seeds = [key.split("/")[2] for key in runs if key.startswith(f"{setting}/squat/")
-                 and f"{setting}/raw-teacher-feature/{key.split('/')[2]}" in runs]
+                 and f"{setting}/{other}/{key.split('/')[2]}" in runs]
         if not seeds:
             continue
         row = {"seeds": seeds}
         for metric in ("nll", "kl"):
             name = f"window_{metric}"
             pairs = [(runs[f"{setting}/squat/{seed}"]["trained"].get(name),
-                      runs[f"{setting}/raw-teacher-feature/{seed}"]["trained"].get(name)) for seed in seeds]
+                      runs[f"{setting}/{other}/{seed}"]["trained"].get(name)) for seed in seeds]
             if any(a is None or b is None for a, b in pairs):
                 continue
             per_seed = [[a - b for a, b in zip(first, second)] for first, second in pairs]
@@ -293,14 +298,21 @@ def mechanism_markdown(results: dict) -> list[str]:
 
 
 def over_seeds_markdown(results: dict) -> list[str]:
+    lines = over_seeds_table(results.get("over_seeds", {}), "raw-teacher-feature")
+    for other, pooled in results.get("over_seeds_against", {}).items():
+        lines += over_seeds_table(pooled, other)
+    return lines
+
+
+def over_seeds_table(pooled: dict, other: str) -> list[str]:
     lines = []
-    for setting, row in results.get("over_seeds", {}).items():
+    for setting, row in pooled.items():
         for metric, label in (("nll", "NLL (nats/token)"), ("kl", "KL to the teacher (nats/token)")):
             if metric not in row:
                 continue
             data = row[metric]
             seeds = row["seeds"]
-            lines += ["", f"{setting}: SQuaT minus raw-teacher-feature, per-window {label}, paired per evaluation "
+            lines += ["", f"{setting}: SQuaT minus {other}, per-window {label}, paired per evaluation "
                       f"window over seeds {', '.join(s.removeprefix('seed') for s in seeds)}:", "",
                       "| window | " + " | ".join(f"seed {s.removeprefix('seed')}" for s in seeds) + " | mean over seeds |",
                       "|---:|" + "---:|" * (len(seeds) + 1)]

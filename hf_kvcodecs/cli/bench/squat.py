@@ -26,7 +26,10 @@ def add_parser(bench) -> None:
     squat.add_argument("--arms", nargs="+", choices=BENCH_SQUAT_ARMS, default=list(SQUAT_ARMS),
                        help="objectives (feature-only: SQuaT's feature term with no logit term)")
     squat.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
-                       help="seeds of SQuaT and the raw-teacher-feature ablation (the other arms use the first)")
+                       help="seeds of SQuaT and the raw-teacher-feature ablation")
+    squat.add_argument("--reference-seeds", type=int, nargs="+", default=None,
+                       help="seeds of the other arms (logit-kd, cross-entropy, feature-only); default: the first of "
+                            "--seeds. SQuaT is compared with every arm over the seeds both ran")
     squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps per run")
     squat.add_argument("--seq-len", type=positive_int, default=SQUAT_RUN["sequence_tokens"],
                        help="tokens per training window")
@@ -75,7 +78,8 @@ def command(args) -> int:
                             quantizer_learning_rate=args.quantizer_lr, eval_windows=args.eval_windows,
                             eval_tokens=args.eval_tokens)
     run_squat_bench(loaded, tokenize_corpus(loaded.tokenizer, train), tokenize_corpus(loaded.tokenizer, evaluation),
-                    settings=args.settings, arms=args.arms, seeds=args.seeds, base=base, out=args.out,
+                    settings=args.settings, arms=args.arms, seeds=args.seeds, reference_seeds=args.reference_seeds,
+                    base=base, out=args.out,
                     train_description=train.description, eval_description=evaluation.description)
     print((args.out / "squat.md").read_text())
     return 0
