@@ -78,8 +78,12 @@ $(VLLM_BIN)/.installed: pyproject.toml
 
 vllm-env: $(VLLM_BIN)/.installed
 
-test-vllm: vllm-env
+test-vllm: vllm-env setup
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/test_vllm_connector.py
+	# the compressed-tensors export is written by the main venv (vLLM pins an older compressed-tensors), served by
+	# vLLM's interpreter
+	HF_KVCODECS_VLLM_PYTHON=$(abspath $(VLLM_BIN))/python $(BIN)/python -m pytest -q -rs -p no:cacheprovider \
+		tests/test_vllm_compressed_tensors.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
