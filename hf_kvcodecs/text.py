@@ -15,6 +15,18 @@ EVALUATION_DEFAULT = "debian-licenses"
 # Python source code: a domain unlike both defaults (reference prose, licence prose), for fine-tuning a model into a
 # variant that still shares the base's tokenizer and shapes.
 PYTHON_SOURCE = "python-stdlib-source"
+# Legal text that stays on slimmed Debian images (they drop /usr/share/doc but keep each package's copyright file).
+DEBIAN_COPYRIGHT = "debian-copyright"
+# Several kinds in one text, for calibration: reference prose, source code and legal text, all on every Debian machine
+# with CPython.
+MIXED = "mixed"
+MIXED_KINDS = ("python-docs", PYTHON_SOURCE, DEBIAN_COPYRIGHT)
+MIXED_CHUNK_CHARACTERS = 2000  # about one 512-token calibration window
+# Kinds none of the above includes, for held-out evaluation (full Debian installs; slim images lack them).
+HELD_OUT_KINDS = ("debian-changelogs", "c-headers", "man-pages")
+# Bounds on what the directory-wide corpora read (they would otherwise read every installed package's files).
+_DIRECTORY_CORPUS_CHARACTERS = 600_000
+_DIRECTORY_FILE_CHARACTERS = 20_000  # per file, so that a few long files (bash's manual) do not make the whole text
 
 # Debian's licence texts: long, real English prose, present on every Debian/Ubuntu system.
 _DEBIAN_LICENSE_DIR = Path("/usr/share/common-licenses")
@@ -81,14 +93,89 @@ def _python_stdlib_source() -> Corpus:
                         f"({', '.join(present)})")
 
 
+def _files_text(paths, limit: int = _DIRECTORY_CORPUS_CHARACTERS,
+                per_file: int = _DIRECTORY_FILE_CHARACTERS) -> tuple[str, list[str]]:
+    """The text of ``paths`` in order (``.gz`` decompressed), the first ``per_file`` characters of each, up to
+    ``limit`` characters in all; the paths read."""
+    import gzip
+
+    texts, used, total = [], [], 0
+    for path in paths:
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        except (OSError, EOFError):
+            continue
+        text = raw.decode("utf-8", errors="replace")
+        if not text.strip():
+            continue
+        texts.append(text[: min(per_file, limit - total)])
+        used.append(str(path))
+        total += len(texts[-1])
+        if total >= limit:
+            break
+    return "\n\n".join(texts), used
+
+
+def _directory_corpus(name: str, paths, what: str, minimum: int = 10) -> Corpus:
+    text, used = _files_text(sorted(paths))
+    if len(used) < minimum:
+        raise FileNotFoundError(
+            f"The corpus {name} reads {what}, but this system has {len(used)} such files (at least {minimum} are "
+            "needed; slim images strip them). Choose another corpus or pass your own text with --text FILE."
+        )
+    return Corpus(text, f"{what}: {len(used)} files, first {used[0]}, last {used[-1]}, {len(text):,} characters")
+
+
+def _debian_copyright() -> Corpus:
+    return _directory_corpus(DEBIAN_COPYRIGHT, Path("/usr/share/doc").glob("*/copyright"),
+                             "Debian packages' copyright files (/usr/share/doc/*/copyright)")
+
+
+def _debian_changelogs() -> Corpus:
+    return _directory_corpus("debian-changelogs", Path("/usr/share/doc").glob("*/changelog.Debian.gz"),
+                             "Debian packages' changelogs (/usr/share/doc/*/changelog.Debian.gz)")
+
+
+def _c_headers() -> Corpus:
+    return _directory_corpus("c-headers", Path("/usr/include").glob("*.h"), "C headers (/usr/include/*.h)")
+
+
+def _man_pages() -> Corpus:
+    return _directory_corpus("man-pages", Path("/usr/share/man/man1").glob("*.1.gz"),
+                             "manual pages in roff (/usr/share/man/man1/*.1.gz)")
+
+
+def _mixed() -> Corpus:
+    """Round-robin chunks of each kind in MIXED_KINDS, cut at line ends, so that every prefix (calibration reads the
+    first windows) holds each kind about equally; it ends when the shortest kind does."""
+    kinds = [BUILTIN_CORPORA[name]() for name in MIXED_KINDS]
+    chunked = [_line_chunks(corpus.text, MIXED_CHUNK_CHARACTERS) for corpus in kinds]
+    rounds = min(len(chunks) for chunks in chunked)
+    text = "\n\n".join(chunks[index] for index in range(rounds) for chunks in chunked)
+    return Corpus(text, f"mixed real text, round-robin chunks of about {MIXED_CHUNK_CHARACTERS} characters from "
+                        + "; ".join(f"({corpus.description})" for corpus in kinds))
+
+
+def _line_chunks(text: str, size: int) -> list[str]:
+    chunks, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end
+        if text[start:end].strip():
+            chunks.append(text[start:end].strip("\n"))
+        start = end + 1
+    return chunks
+
+
 def _python_version() -> str:
     import platform
 
     return platform.python_version()
 
 
-BUILTIN_CORPORA = {CALIBRATION_DEFAULT: _python_docs, EVALUATION_DEFAULT: _debian_licenses,
-                   PYTHON_SOURCE: _python_stdlib_source}
+BUILTIN_CORPORA = {"python-docs": _python_docs, EVALUATION_DEFAULT: _debian_licenses,
+                   PYTHON_SOURCE: _python_stdlib_source, DEBIAN_COPYRIGHT: _debian_copyright, MIXED: _mixed,
+                   "debian-changelogs": _debian_changelogs, "c-headers": _c_headers, "man-pages": _man_pages}
 
 
 def load_corpus(source: str | Sequence[str] | None, *, default: str) -> Corpus:
