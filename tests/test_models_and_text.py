@@ -41,3 +41,53 @@ def test_a_one_item_list_naming_a_builtin_corpus_reads_that_corpus():
     """A CLI's ``--text python-docs`` arrives as ``["python-docs"]``."""
     assert load_corpus([EVALUATION_DEFAULT], default=CALIBRATION_DEFAULT).description == \
         load_corpus(EVALUATION_DEFAULT, default=CALIBRATION_DEFAULT).description
+
+
+def test_mixed_text_interleaves_each_kind_chunk_by_chunk(monkeypatch):
+    from hf_kvcodecs import text
+
+    fakes = {name: "\n".join(f"{name}-line-{index:03d} " + "x" * 60 for index in range(lines))
+             for name, lines in zip(text.MIXED_KINDS, (300, 200, 400))}
+    for name in text.MIXED_KINDS:
+        monkeypatch.setitem(text.BUILTIN_CORPORA, name,
+                            lambda name=name: text.Corpus(fakes[name], f"fake {name}"))
+    mixed = load_corpus(text.MIXED, default=EVALUATION_DEFAULT)
+    chunks = mixed.text.split("\n\n")
+    kinds = [chunk.split("-line-")[0] for chunk in chunks]
+    assert kinds[:6] == [*text.MIXED_KINDS, *text.MIXED_KINDS]  # every prefix holds each kind about equally
+    assert all(len(set(chunk.split("-line-")[0] for chunk in line.split("\n"))) == 1 for line in chunks)
+    assert all(len(chunk) >= text.MIXED_CHUNK_CHARACTERS for chunk in chunks[:-3])  # cut at line ends, not inside
+    # it stops with the shortest kind: the second kind's 200 lines of ~75 characters
+    assert kinds.count(text.MIXED_KINDS[1]) == len(text._line_chunks(fakes[text.MIXED_KINDS[1]],
+                                                                     text.MIXED_CHUNK_CHARACTERS))
+    assert len(set(kinds.count(kind) for kind in text.MIXED_KINDS)) == 1
+    assert all(f"fake {name}" in mixed.description for name in text.MIXED_KINDS)
+
+
+def test_directory_corpora_read_bounded_text_and_name_the_fix(tmp_path):
+    import gzip
+
+    from hf_kvcodecs import text
+
+    for index in range(5):
+        (tmp_path / f"{index}.txt").write_text(f"file {index} " + "y" * 500)
+    (tmp_path / "5.txt.gz").write_bytes(gzip.compress(b"compressed words " * 10))
+    (tmp_path / "6.txt").write_text("   ")  # empty files are not counted
+    read, used = text._files_text(sorted(tmp_path.iterdir()), limit=10_000, per_file=100)
+    assert len(used) == 6 and read.count("file ") == 5 and "compressed words" in read
+    assert all(len(part) <= 100 for part in read.split("\n\n"))
+    read, used = text._files_text(sorted(tmp_path.iterdir()), limit=250, per_file=100)
+    assert len(read) <= 250 + 2 * len(used) and len(used) == 3
+    with pytest.raises(FileNotFoundError, match="pass your own text with --text FILE"):
+        text._directory_corpus("fake-kind", sorted(tmp_path.glob("*.txt")), "fake files", minimum=10)
+
+
+@pytest.mark.parametrize("kind", ["debian-copyright", "debian-changelogs", "c-headers", "man-pages", "mixed"])
+def test_every_builtin_kind_loads_or_says_what_is_missing(kind):
+    try:
+        corpus = load_corpus(kind, default=EVALUATION_DEFAULT)
+    except FileNotFoundError as error:
+        assert "--text FILE" in str(error)
+        return
+    assert len(corpus.text) > 50_000 and corpus.description
+    assert corpus.sha256 != load_corpus(EVALUATION_DEFAULT, default=EVALUATION_DEFAULT).sha256
