@@ -148,7 +148,19 @@ def _man_pages() -> Corpus:
 def _mixed() -> Corpus:
     """Round-robin chunks of each kind in MIXED_KINDS, cut at line ends, so that every prefix (calibration reads the
     first windows) holds each kind about equally; it ends when the shortest kind does."""
-    kinds = [BUILTIN_CORPORA[name]() for name in MIXED_KINDS]
+    kinds, missing = [], []
+    for name in MIXED_KINDS:
+        try:
+            kinds.append(BUILTIN_CORPORA[name]())
+        except FileNotFoundError as error:
+            missing.append(f"{name} ({error})")
+    if len(kinds) < 2:
+        raise FileNotFoundError(f"The corpus {MIXED} mixes {', '.join(MIXED_KINDS)}; this system lacks "
+                                f"{'; '.join(missing)}. Pass your own text with --text FILE.")
+    if missing:  # the description (and the codebooks' text hash) records what was mixed
+        import logging
+
+        logging.getLogger(__name__).warning("The %s calibration text leaves out %s.", MIXED, "; ".join(missing))
     chunked = [_line_chunks(corpus.text, MIXED_CHUNK_CHARACTERS) for corpus in kinds]
     rounds = min(len(chunks) for chunks in chunked)
     text = "\n\n".join(chunks[index] for index in range(rounds) for chunks in chunked)

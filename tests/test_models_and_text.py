@@ -91,3 +91,19 @@ def test_every_builtin_kind_loads_or_says_what_is_missing(kind):
         return
     assert len(corpus.text) > 50_000 and corpus.description
     assert corpus.sha256 != load_corpus(EVALUATION_DEFAULT, default=EVALUATION_DEFAULT).sha256
+
+
+def test_mixed_text_leaves_out_a_missing_kind_with_a_warning_and_needs_two(monkeypatch, caplog):
+    from hf_kvcodecs import text
+
+    def missing():
+        raise FileNotFoundError("not on this system")
+
+    for index, name in enumerate(text.MIXED_KINDS):
+        monkeypatch.setitem(text.BUILTIN_CORPORA, name, missing if index == 0 else
+                            (lambda name=name: text.Corpus(f"{name} words\n" * 2000, f"fake {name}")))
+    mixed = load_corpus(text.MIXED, default=EVALUATION_DEFAULT)
+    assert text.MIXED_KINDS[0] not in mixed.description and "leaves out" in caplog.text
+    monkeypatch.setitem(text.BUILTIN_CORPORA, text.MIXED_KINDS[1], missing)
+    with pytest.raises(FileNotFoundError, match="--text FILE"):
+        load_corpus(text.MIXED, default=EVALUATION_DEFAULT)
