@@ -45,3 +45,29 @@ def test_bench_memory_measures_every_learner_unless_told_otherwise():
     args = build_parser().parse_args(["bench", "memory"])
     assert tuple(args.learners) == inspect.signature(measure_memory).parameters["learners"].default
     assert build_parser().parse_args(["bench", "memory", "--learners", "l2"]).learners == ["l2"]
+
+
+def test_bench_memory_calibrates_the_gsrq_rows_with_the_layout_and_text_it_is_given(monkeypatch):
+    from types import SimpleNamespace
+
+    from hf_kvcodecs.bench import kv
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_gsrq_methods(loaded, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(kv, "gsrq_methods", fake_gsrq_methods)
+    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()).eval(),
+                             tokenizer=lambda text, **_: {"input_ids": [5] * 64})
+    with pytest.raises(Stop):
+        measure_memory(loaded, calibration_text="mixed", key_layout="conditional_heads", group_dim=8, learners=("l2",))
+    assert seen["text"] == "mixed" and seen["layout"] == kv.codec_layout("conditional_heads", None, 8)
+    assert seen["layout"][1] == {"key_layout": "conditional_heads"}
+    args = build_parser().parse_args(["bench", "memory", "--key-layout", "conditional_heads", "--calibration-text",
+                                      "mixed"])
+    assert (args.key_layout, args.calibration_text, args.value_layout) == ("conditional_heads", ["mixed"], None)

@@ -277,13 +277,16 @@ def check_rates_offered(config, rates, layouts) -> None:
 
 
 def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: int = 64, text=None, store=None,
-                   learners=tuple(GSRQ_LEARNERS), progress: bool = True) -> dict:
+                   learners=tuple(GSRQ_LEARNERS), progress: bool = True, calibration_text=None,
+                   key_layout: str | None = None, value_layout: str | None = None,
+                   group_dim: int | None = None) -> dict:
     """Bits per K/V element held by each cache after prefilling ``context`` tokens of real text and after
     ``decode_steps`` more, counted from the tensors the cache holds (codebook tables shared per model reported apart);
     after the decode steps, the total each cache holds with every per-model table it references (what the model's
     only cache costs), beside what a 16-bit DynamicCache holds for the same tokens; and, at the next decode step,
     the relative squared error of the keys and values attention reads from each cache against the full-precision
-    cache's (the first method). ``learners``: the GSRQ rows' codebook learners (each calibrated unless stored).
+    cache's (the first method). ``learners``: the GSRQ rows' codebook learners (each calibrated unless stored), on
+    ``calibration_text`` (default: GSRQ's) with the codec layout the other arguments name (default: the default).
     """
     corpus = load_corpus(text, default=EVALUATION_DEFAULT)
     token_ids = tokenize_corpus(loaded.tokenizer, corpus)
@@ -292,7 +295,8 @@ def measure_memory(loaded: LoadedModel, *, contexts=(1024, 4096), decode_steps: 
     # transformers' caches only: TurboQuant's bits held and quality are measured by bench kv
     methods = [m for m in shipped_baselines(loaded.model) if m.skip_reason is None and "default" not in m.name
                and m.family in (FULL_PRECISION, TRANSFORMERS_QUANTIZED)]
-    methods += gsrq_methods(loaded, learners=tuple(learners), text=None, store=store, progress=progress)
+    methods += gsrq_methods(loaded, learners=tuple(learners), text=calibration_text, store=store, progress=progress,
+                            layout=codec_layout(key_layout, value_layout, group_dim))
     rows, reference_inputs = [], {}
     # Every method is measured at the same lengths (the least common multiple of their prefill constraints), so
     # that their keys and values can be compared token for token with the reference's.
