@@ -104,6 +104,7 @@ def test_the_mirrored_library_values_are_the_library_values(monkeypatch, tmp_pat
     assert defaults.DEFAULT_MODEL_NAME == models.DEFAULT_MODEL_NAME
     assert defaults.ZERO_POINTS == ZERO_POINTS and ZERO_POINTS[0] == KVCodecsConfig().zero_point
     assert (defaults.CALIBRATION_TEXT, defaults.EVALUATION_TEXT) == (text.CALIBRATION_DEFAULT, text.EVALUATION_DEFAULT)
+    assert defaults.GSRQ_CALIBRATION_TEXT == text.GSRQ_CALIBRATION_DEFAULT
     assert defaults.CODEBOOK_LEARNERS == tuple(sorted(kmeans.CODEBOOK_LEARNERS))
     assert defaults.DEFAULT_LEARNER == kmeans.DEFAULT_LEARNER
     assert (defaults.KEY_LAYOUTS, defaults.VALUE_LAYOUTS) == (codebooks.LAYOUTS["keys"], codebooks.LAYOUTS["values"])

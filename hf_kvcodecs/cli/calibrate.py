@@ -8,9 +8,9 @@ from pathlib import Path
 from ._common import add_command, add_model_arguments, add_push_arguments, calibration_text, load_model, positive_int
 from .defaults import (
     CALIBRATION,
-    CALIBRATION_TEXT,
     CODEBOOK_LEARNERS,
     DEFAULT_VALUE_LAYOUT,
+    GSRQ_CALIBRATION_TEXT,
     KEY_LAYOUTS,
     POST_ROPE_KEY_LAYOUT,
     POST_ROPE_VALUE_LAYOUT,
@@ -64,7 +64,7 @@ def add_parser(commands) -> None:
                                 f"the {CALIBRATION['holdout_windows']} windows after them measure the held-out error")
     calibrate.add_argument("--calibration-text", "--text", nargs="+", default=None,
                            help="files, a built-in corpus name, or datasets:NAME[:CONFIG]:SPLIT "
-                                f"(default: {CALIBRATION_TEXT})")
+                                f"(default: {GSRQ_CALIBRATION_TEXT})")
     calibrate.add_argument("--seed", type=int, default=CALIBRATION["seed"],
                            help="seeds the choice of the tokens sampled from each window and the k-means "
                                 "initialisation of the codebooks")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ._common import add_command, add_model_arguments, add_push_arguments
-from .defaults import CALIBRATION_TEXT, EVALUATION_TEXT, ZERO_POINT_HELP, ZERO_POINTS
+from .defaults import EVALUATION_TEXT, GSRQ_CALIBRATION_TEXT, ZERO_POINT_HELP, ZERO_POINTS
 
 
 def _weight_bits(value: str):
@@ -41,7 +41,7 @@ def add_parser(commands) -> None:
                                "same (quantized) weights from the codebook store)")
     compress.add_argument("--calibration-text", nargs="+", default=None,
                           help="KV calibration text: files, a built-in corpus, datasets:NAME[:CONFIG]:SPLIT "
-                               f"(default: {CALIBRATION_TEXT})")
+                               f"(default: {GSRQ_CALIBRATION_TEXT})")
     compress.add_argument("--calibration-windows", type=int, default=32,
                           help="windows of calibration text the KV codebooks are fitted on")
     compress.add_argument("--calibration-window-tokens", type=int, default=512, help="tokens per calibration window")

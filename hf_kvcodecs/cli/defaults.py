@@ -10,6 +10,7 @@ ZERO_POINT_HELP = ("offset of the asymmetric weight grid: 'float' (min-max: the 
                    "(-zero_point * scale with an integer zero point, held exactly: compressed-tensors' grid, so "
                    "`hf-kvcodecs export` writes it exactly; slightly less accurate)")
 CALIBRATION_TEXT = "python-docs"  # text.CALIBRATION_DEFAULT
+GSRQ_CALIBRATION_TEXT = "mixed"  # text.GSRQ_CALIBRATION_DEFAULT
 EVALUATION_TEXT = "debian-licenses"  # text.EVALUATION_DEFAULT
 # where `ensure_codebooks` keeps calibrated codebooks when no store is given (gsrq.store.default_store)
 CODEBOOK_STORE = "$HF_KVCODECS_CACHE/codebooks, HF_KVCODECS_CACHE defaulting to ~/.cache/hf_kvcodecs"

@@ -30,7 +30,7 @@ from ..codecs.residual import (
 )
 from ..models import model_fingerprint
 from ..rope import find_rotary_parameters
-from ..text import CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
+from ..text import GSRQ_CALIBRATION_DEFAULT, load_corpus, tokenize_corpus
 from .codebooks import CodebookFileError, GSRQCodebooks, check_save_directory, holds_codebooks
 from .identity import (
     IDENTITY_KEY,
@@ -50,7 +50,8 @@ def calibrate_gsrq(model, tokenizer, *, text=None, out: str | Path | None = None
                    settings: GSRQFitSettings | None = None, **changes) -> GSRQCodebooks:
     """Calibrate GSRQ codebooks for ``model`` on real text and optionally save them (``out=DIR``).
 
-    ``text`` is a corpus name, a list of files or a ``datasets:`` spec (default: CPython's reference manual topics).
+    ``text`` is a corpus name, a list of files or a ``datasets:`` spec (default: ``"mixed"``, CPython's reference
+    manual topics, CPython's standard-library source and Debian's copyright files in turn).
     ``settings`` and the keyword arguments on top are those of :func:`fit_gsrq_codebooks`: ``bits`` is the highest
     rate (bits per KV element, scale included) the codebooks must serve, and every lower rate is a prefix of the same
     stages.
@@ -92,7 +93,7 @@ def calibrate_or_reuse(model, tokenizer, *, text, settings: GSRQFitSettings, out
     without an ``out`` in the store, in a directory named for the model and the calibration's identity (what
     :func:`~hf_kvcodecs.gsrq.store.ensure_codebooks` does)."""
     started = time.perf_counter()
-    corpus = load_corpus(text, default=CALIBRATION_DEFAULT)
+    corpus = load_corpus(text, default=GSRQ_CALIBRATION_DEFAULT)
     token_ids = tokenize_corpus(tokenizer, corpus)
     identity = calibration_identity(model, token_ids, dataclasses.asdict(settings), name=keep_as)
     store = Path(store).expanduser() if store is not None else default_store()

@@ -8,11 +8,11 @@ from .._common import add_command, add_model_arguments, calibration_text, load_m
 from ..defaults import (
     BASELINE_IDS,
     CALIBRATION,
-    CALIBRATION_TEXT,
     CODEBOOK_STORE,
     DEFAULT_KEY_LAYOUT,
     DEFAULT_VALUE_LAYOUT,
     EVALUATION_TEXT,
+    GSRQ_CALIBRATION_TEXT,
     GSRQ_LEARNERS,
     GSRQ_RATES,
     KEY_LAYOUTS,
@@ -37,7 +37,7 @@ def add_parser(bench) -> None:
                          "long_context_vs_length.png")
     kv.add_argument("--text", nargs="+", default=None, help=f"evaluation text (default: {EVALUATION_TEXT})")
     kv.add_argument("--calibration-text", nargs="+", default=None,
-                    help=f"calibration text (default: {CALIBRATION_TEXT})")
+                    help=f"calibration text (default: {GSRQ_CALIBRATION_TEXT})")
     kv.add_argument("--codebook-store", type=Path, default=None,
                     help=f"where calibrated codebooks are kept and reused (default: {CODEBOOK_STORE})")
     kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")

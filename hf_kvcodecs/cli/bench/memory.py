@@ -7,10 +7,10 @@ from pathlib import Path
 
 from .._common import add_command, add_model_arguments, calibration_text, load_model, positive_int, write_results
 from ..defaults import (
-    CALIBRATION_TEXT,
     DEFAULT_KEY_LAYOUT,
     DEFAULT_VALUE_LAYOUT,
     EVALUATION_TEXT,
+    GSRQ_CALIBRATION_TEXT,
     GSRQ_LEARNERS,
     KEY_LAYOUTS,
     VALUE_LAYOUTS,
@@ -30,7 +30,7 @@ def add_parser(bench) -> None:
     memory.add_argument("--learners", nargs="+", default=list(GSRQ_LEARNERS), choices=GSRQ_LEARNERS,
                         help="codebook learners of the GSRQ rows, each calibrated unless the codebook store holds it")
     memory.add_argument("--calibration-text", nargs="+", default=None,
-                        help=f"calibration text of the GSRQ rows (default: {CALIBRATION_TEXT})")
+                        help=f"calibration text of the GSRQ rows (default: {GSRQ_CALIBRATION_TEXT})")
     memory.add_argument("--key-layout", default=None, choices=KEY_LAYOUTS,
                         help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
     memory.add_argument("--value-layout", default=None, choices=VALUE_LAYOUTS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .._common import add_command, add_model_arguments, calibration_text, load_model, write_results
-from ..defaults import CALIBRATION_TEXT, CODEBOOK_STORE, EVALUATION_TEXT, SPLIT_LAYOUTS, SPLIT_OFFSETS
+from ..defaults import CODEBOOK_STORE, EVALUATION_TEXT, GSRQ_CALIBRATION_TEXT, SPLIT_LAYOUTS, SPLIT_OFFSETS
 
 
 def add_parser(bench) -> None:
@@ -22,7 +22,7 @@ def add_parser(bench) -> None:
                             "conditional on the heads decoded before them)")
     split.add_argument("--text", nargs="+", default=None, help=f"evaluation text (default: {EVALUATION_TEXT})")
     split.add_argument("--calibration-text", nargs="+", default=None,
-                       help=f"calibration text (default: {CALIBRATION_TEXT})")
+                       help=f"calibration text (default: {GSRQ_CALIBRATION_TEXT})")
     split.add_argument("--codebook-store", type=Path, default=None,
                        help=f"where calibrated codebooks are kept and reused (default: {CODEBOOK_STORE})")
     split.set_defaults(func=command)

@@ -28,8 +28,8 @@ def add_parser(bench) -> None:
     squat.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
                        help="seeds of SQuaT and the raw-teacher-feature ablation")
     squat.add_argument("--reference-seeds", type=int, nargs="+", default=None,
-                       help="seeds of the other arms (logit-kd, cross-entropy, feature-only); default: the first of "
-                            "--seeds. SQuaT is compared with every arm over the seeds both ran")
+                       help="seeds of the other arms, logit-kd, cross-entropy and feature-only; SQuaT is compared "
+                            "with every arm over the seeds both ran (default: the first of --seeds)")
     squat.add_argument("--steps", type=positive_int, default=SQUAT_RUN["steps"], help="optimizer steps per run")
     squat.add_argument("--seq-len", type=positive_int, default=SQUAT_RUN["sequence_tokens"],
                        help="tokens per training window")
