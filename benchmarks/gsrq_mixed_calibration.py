@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -44,7 +46,18 @@ def main() -> None:
     parser.add_argument("--passkey-trials", type=int, default=2)
     parser.add_argument("--store", type=Path, default=None, help="codebook store (default: the library's)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rebuild summary.{json,md} from the kinds' result files in --out, measuring nothing")
     args = parser.parse_args()
+    if args.report_only:
+        summary = json.loads((args.out / "summary.json").read_text())
+        for kind in summary["kinds"]:
+            results = json.loads((args.out / f"{kind}.json").read_text())
+            summary["kinds"][kind] = kind_summary(results, summary["kinds"][kind]["text"])
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (args.out / "summary.md").write_text(summary_markdown(summary))
+        print((args.out / "summary.md").read_text())
+        return
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -63,7 +76,7 @@ def main() -> None:
 
     summary = {"command": "python benchmarks/gsrq_mixed_calibration.py " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items() if v is not None),
+        for k, v in vars(args).items() if v is not None and not isinstance(v, bool)),
                "calibrations": {m.name: m.extra.get("calibration_text") for m in methods if m.family not in
                                 ("full precision", "transformers QuantizedCache")},
                "kinds": {}}
@@ -103,7 +116,23 @@ def kind_summary(results: dict, description: str) -> dict:
             rows[name]["meets_target"] = bool(rows[name]["kl_ratio_to_quanto_4"] is not None
                                               and rows[name]["kl_ratio_to_quanto_4"] <= TARGET_KL_RATIO
                                               and passkey["correct"] >= (baseline.get("passkey") or passkey)["correct"])
-    return {"text": description, "rows": rows}
+    return {"text": description, "rows": rows, "calibration_pairs": calibration_pairs(results)}
+
+
+def calibration_pairs(results: dict) -> list[dict]:
+    """GSRQ rows of one layout calibrated on different texts, paired per window: the later calibration's KL minus the
+    first one's, its mean and standard error over windows."""
+    rows = [entry for entry in results["methods"] if ", calibrated on " in entry["name"] and not entry.get("error")]
+    pairs = []
+    for index, first in enumerate(rows):
+        for second in rows[index + 1:]:
+            if first["name"].split(", calibrated on ")[0] != second["name"].split(", calibrated on ")[0]:
+                continue
+            differences = [b - a for a, b in zip(first["perplexity"]["window_kl"], second["perplexity"]["window_kl"])]
+            se = statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) > 1 else None
+            pairs.append({"first": first["name"], "second": second["name"], "kl_difference": statistics.mean(differences),
+                          "se": se, "beyond_2_se": se is not None and abs(statistics.mean(differences)) > 2 * se})
+    return pairs
 
 
 def summary_markdown(summary: dict) -> str:
@@ -122,6 +151,10 @@ def summary_markdown(summary: dict) -> str:
                          f"{row['windows_kl_above_quanto_4']}/{row['windows']} | {row['delta_ppl_pct']:+.2f} ± "
                          f"{row['delta_ppl_pct_se'] or 0:.2f} | {row['passkey']}/{row['passkey_trials']} | "
                          f"{'' if 'meets_target' not in row else ('met' if row['meets_target'] else 'missed')} |")
+        for pair in found.get("calibration_pairs", []):
+            se = "" if pair["se"] is None else f" ± {pair['se']:.4f}"
+            lines.append(f"- KL of *{pair['second']}* minus *{pair['first']}*, paired per window: "
+                         f"{pair['kl_difference']:+.4f}{se} (beyond 2 se: {pair['beyond_2_se']})")
         lines.append("")
     return "\n".join(lines)
 
