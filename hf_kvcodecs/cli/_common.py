@@ -6,7 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
-from .defaults import DEFAULT_MODEL_NAME
+from .defaults import (
+    CALIBRATION,
+    DEFAULT_KEY_LAYOUT,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_VALUE_LAYOUT,
+    GSRQ_CALIBRATION_TEXT,
+    KEY_LAYOUTS,
+    VALUE_LAYOUTS,
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -78,3 +86,17 @@ def write_results(out: Path, stem: str, results: dict, markdown: str) -> None:
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
     (out / f"{stem}.md").write_text(markdown)
     print(markdown)
+
+
+def add_gsrq_row_arguments(parser: argparse.ArgumentParser) -> None:
+    """The calibration text and codec layout of a benchmark's GSRQ rows (read by :func:`calibration_text` and
+    ``args.key_layout`` / ``value_layout`` / ``group_dim``)."""
+    parser.add_argument("--calibration-text", nargs="+", default=None,
+                        help=f"calibration text of the GSRQ rows (default: {GSRQ_CALIBRATION_TEXT})")
+    parser.add_argument("--key-layout", default=None, choices=KEY_LAYOUTS,
+                        help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
+    parser.add_argument("--value-layout", default=None, choices=VALUE_LAYOUTS,
+                        help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
+    parser.add_argument("--group-dim", type=positive_int, default=None,
+                        help=f"channels per residual VQ group of the GSRQ rows (default: {CALIBRATION['group_dim']}; "
+                             "must divide head_dim)")

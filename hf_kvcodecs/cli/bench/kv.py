@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._common import add_command, add_model_arguments, calibration_text, load_model, positive_int
+from .._common import (
+    add_command,
+    add_gsrq_row_arguments,
+    add_model_arguments,
+    calibration_text,
+    load_model,
+    positive_int,
+)
 from ..defaults import (
     BASELINE_IDS,
     CALIBRATION,
     CODEBOOK_STORE,
-    DEFAULT_KEY_LAYOUT,
-    DEFAULT_VALUE_LAYOUT,
     EVALUATION_TEXT,
-    GSRQ_CALIBRATION_TEXT,
     GSRQ_LEARNERS,
     GSRQ_RATES,
-    KEY_LAYOUTS,
     KV_PASSKEY_CELLS,
     KV_PASSKEY_TRIALS,
     KV_WINDOWS,
     TASK_ITEMS,
     TASK_LENGTHS,
     TASK_NAMES,
-    VALUE_LAYOUTS,
 )
 
 # --tasks words besides the task names
@@ -36,8 +38,6 @@ def add_parser(bench) -> None:
                     help="folder for results.json, results.md, quality_vs_bits.png and, with --tasks, "
                          "long_context_vs_length.png")
     kv.add_argument("--text", nargs="+", default=None, help=f"evaluation text (default: {EVALUATION_TEXT})")
-    kv.add_argument("--calibration-text", nargs="+", default=None,
-                    help=f"calibration text (default: {GSRQ_CALIBRATION_TEXT})")
     kv.add_argument("--codebook-store", type=Path, default=None,
                     help=f"where calibrated codebooks are kept and reused (default: {CODEBOOK_STORE})")
     kv.add_argument("--quick", action="store_true", help="tiny settings: checks the pipeline, numbers mean nothing")
@@ -47,13 +47,7 @@ def add_parser(bench) -> None:
                     help="codebook learners to calibrate and measure (default: all of them)")
     kv.add_argument("--bits", type=float, nargs="+", default=None,
                     help=f"bits per element of the GSRQ rows (default: {' '.join(f'{r:g}' for r in GSRQ_RATES)})")
-    kv.add_argument("--key-layout", default=None, choices=KEY_LAYOUTS,
-                    help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
-    kv.add_argument("--value-layout", default=None, choices=VALUE_LAYOUTS,
-                    help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
-    kv.add_argument("--group-dim", type=positive_int, default=None,
-                    help=f"channels per residual VQ group of the GSRQ rows (default: {CALIBRATION['group_dim']}; must "
-                         "divide head_dim)")
+    add_gsrq_row_arguments(kv)
     kv.add_argument("--no-layout-variants", dest="layout_variants", action="store_false",
                     help="skip the rows with other codec layouts on the first seed (they only run when the GSRQ rows "
                          "use the default layout)")

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .._common import add_command, add_model_arguments, calibration_text, load_model, positive_int, write_results
-from ..defaults import (
-    DEFAULT_KEY_LAYOUT,
-    DEFAULT_VALUE_LAYOUT,
-    EVALUATION_TEXT,
-    GSRQ_CALIBRATION_TEXT,
-    GSRQ_LEARNERS,
-    KEY_LAYOUTS,
-    VALUE_LAYOUTS,
+from .._common import (
+    add_command,
+    add_gsrq_row_arguments,
+    add_model_arguments,
+    calibration_text,
+    load_model,
+    write_results,
 )
+from ..defaults import EVALUATION_TEXT, GSRQ_LEARNERS
 
 
 def add_parser(bench) -> None:
@@ -29,14 +28,7 @@ def add_parser(bench) -> None:
                         help="single-token decode steps after each prefill, after which the cache is measured again")
     memory.add_argument("--learners", nargs="+", default=list(GSRQ_LEARNERS), choices=GSRQ_LEARNERS,
                         help="codebook learners of the GSRQ rows, each calibrated unless the codebook store holds it")
-    memory.add_argument("--calibration-text", nargs="+", default=None,
-                        help=f"calibration text of the GSRQ rows (default: {GSRQ_CALIBRATION_TEXT})")
-    memory.add_argument("--key-layout", default=None, choices=KEY_LAYOUTS,
-                        help=f"key layout of the GSRQ rows (default: {DEFAULT_KEY_LAYOUT}; see `calibrate --help`)")
-    memory.add_argument("--value-layout", default=None, choices=VALUE_LAYOUTS,
-                        help=f"value layout of the GSRQ rows (default: {DEFAULT_VALUE_LAYOUT})")
-    memory.add_argument("--group-dim", type=positive_int, default=None,
-                        help="channels per residual VQ group of the GSRQ rows (default: 8; must divide head_dim)")
+    add_gsrq_row_arguments(memory)
     memory.set_defaults(func=command)
 
 
