@@ -58,13 +58,18 @@ def test_bench_squat_flags_reach_the_run_settings(tmp_path, monkeypatch, capsys)
     assert "activation bits 2 to 8" in capsys.readouterr().err
 
 
+def tiny_bench_inputs():
+    """A tiny random Llama (seeded) and a token stream: the first 3,000 tokens train, the rest evaluate."""
+    torch.manual_seed(0)
+    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()), tokenizer=None, description="tiny")
+    return loaded, torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+
+
 def test_bench_squat_keeps_the_mechanism_and_pairs_windows_over_seeds(tmp_path):
     from hf_kvcodecs.bench.squat import run_squat_bench
     from hf_kvcodecs.training.run import SQuaTRunSettings
 
-    torch.manual_seed(0)
-    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()), tokenizer=None, description="tiny")
-    stream = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+    loaded, stream = tiny_bench_inputs()
     base = SQuaTRunSettings(group_size=16, steps=3, sequence_tokens=32, batch_size=2, eval_windows=3, eval_tokens=64,
                             activation_granularity="tensor", activation_modules=LAST_MLP_INPUTS,
                             activation_step_learning_rate=1e-2, distillation_layers=[1])
@@ -123,9 +128,7 @@ def test_bench_squat_seeds_the_reference_arms_and_pairs_squat_with_each(tmp_path
     from hf_kvcodecs.bench.squat import run_squat_bench
     from hf_kvcodecs.training.run import SQuaTRunSettings
 
-    torch.manual_seed(0)
-    loaded = SimpleNamespace(model=LlamaForCausalLM(tiny_llama_config()), tokenizer=None, description="tiny")
-    stream = torch.randint(3, 128, (4000,), generator=torch.Generator().manual_seed(3))
+    loaded, stream = tiny_bench_inputs()
     base = SQuaTRunSettings(group_size=16, steps=2, sequence_tokens=32, batch_size=2, eval_windows=3, eval_tokens=64,
                             activation_granularity="tensor", activation_modules=LAST_MLP_INPUTS,
                             distillation_layers=[1])
